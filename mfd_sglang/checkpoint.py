@@ -1,0 +1,424 @@
+"""Drafter checkpoints: the DFlash (z-lab) format, its MFD extension, validation and the target fit check.
+
+A drafter directory holds `config.json` and safetensors weights (`model.safetensors`, or shards
+listed in `model.safetensors.index.json`). Accepted layouts:
+
+- DFlash (z-lab): a Qwen3-style config with `block_size`, `dflash_config: {mask_token_id,
+  target_layer_ids}` (these keys are also accepted at top level, and `block_size` inside
+  `dflash_config`), optional `num_target_layers`, optional `layer_types`/`sliding_window`.
+  Weights `fc`, `hidden_norm`, `norm`, `layers.{i}.*`, optionally under a `model.` prefix.
+  No embeddings and no lm_head: the drafter borrows the target's.
+- MFD: the same plus `mode_embed [K, H]` (K learned mode embeddings) and optionally `mode_gate.*`
+  (a training-time layer, ignored) and an `mfd_config` block in config.json:
+  `{"num_modes": K, "default_mode": k | "embed", "draft_vocab_size": Vd}`. K is inferred from
+  `mode_embed` when the config is silent. A plain DFlash drafter is an MFD drafter with K = 1
+  (no embedding is added).
+- The default (single-mode) path used by MFD_D: `mfd_config.default_mode = k` drafts with mode k's
+  embedding; `"embed"` (or a `default_mode_embed [H]` tensor with the config silent) drafts with
+  that separately trained embedding. Without either, mode 0 is the default path.
+- Optional draft vocabulary: `draft_vocab [Vd]` int64, strictly increasing target token ids. The
+  drafter scores only those ids; verification stays over the target's full vocabulary.
+
+Every problem is a `CheckpointError` naming the field, the found and the expected value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+# `default_mode` before the weights are seen: not set in mfd_config.
+_UNSPECIFIED = -1
+
+# Tensors that real checkpoints carry but inference does not use.
+_IGNORED_PREFIXES = ("mode_gate.", "rotary_emb.")
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that cannot be used as it is; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    attention_bias: bool
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int | None
+    num_modes: int
+    default_mode: int | None  # None: the separately trained `default_mode_embed`
+    draft_vocab_size: int | None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_draft_positions(self) -> int:
+        """Positions the drafter predicts per block (the block's first slot holds the last verified token)."""
+        return self.block_size - 1
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+
+@dataclass
+class DrafterCheckpoint:
+    path: Path | None
+    config: DrafterConfig
+    weights: dict[str, torch.Tensor]  # canonical names, without the optional `model.` prefix
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return "mfd" if "mode_embed" in self.weights else "dflash"
+
+
+def _err(field_name: str, found: Any, expected: str, fix: str = "") -> CheckpointError:
+    msg = f"{field_name}: found {found!r}, expected {expected}"
+    return CheckpointError(msg + (f". {fix}" if fix else ""))
+
+
+def _get_int(raw: Mapping[str, Any], name: str, *, default: Any = None, where: str = "config.json") -> int:
+    value = raw.get(name, default)
+    if value is None:
+        raise _err(f"{where} {name}", None, "an integer", "The field is required.")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _err(f"{where} {name}", value, "an integer")
+    return value
+
+
+def _dflash_value(raw: Mapping[str, Any], name: str) -> Any:
+    block = raw.get("dflash_config") or {}
+    return block.get(name, raw.get(name))
+
+
+def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
+    """Read a drafter's config.json (DFlash or MFD) into a DrafterConfig, checking every field."""
+    if not isinstance(raw, Mapping):
+        raise _err("config.json", type(raw).__name__, "a JSON object")
+    hidden = _get_int(raw, "hidden_size")
+    heads = _get_int(raw, "num_attention_heads")
+    head_dim = raw.get("head_dim") or (hidden // heads)
+    layer_ids = _dflash_value(raw, "target_layer_ids")
+    if not isinstance(layer_ids, list) or not layer_ids or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_ids
+    ):
+        raise _err(
+            "dflash_config.target_layer_ids", layer_ids, "a non-empty list of layer indices >= 0",
+            "A DFlash drafter names the target layers whose hidden states it reads.",
+        )
+    mask_token_id = _dflash_value(raw, "mask_token_id")
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or mask_token_id < 0:
+        raise _err("dflash_config.mask_token_id", mask_token_id, "a token id >= 0")
+    block_size = _dflash_value(raw, "block_size")
+    block_size = 16 if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        raise _err("block_size", block_size, "an integer >= 2 (last verified token + drafted positions)")
+
+    rope_theta = raw.get("rope_theta")
+    rope_parameters = raw.get("rope_parameters") or {}
+    if rope_theta is None:
+        rope_theta = rope_parameters.get("rope_theta", 10000.0)
+    rope_scaling = raw.get("rope_scaling") or rope_parameters
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise _err("rope_scaling.rope_type", rope_type, "'default'", "Only plain RoPE drafters are supported.")
+
+    layers = _get_int(raw, "num_hidden_layers")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+            raise _err("layer_types", layer_types, f"{layers} entries of 'full_attention'/'sliding_attention'")
+        layer_types = tuple(layer_types)
+    sliding_window = raw.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None
+    if layer_types and "sliding_attention" in layer_types and not isinstance(sliding_window, int):
+        raise _err("sliding_window", sliding_window, "an integer when layer_types has sliding_attention")
+
+    mfd = raw.get("mfd_config") or {}
+    if not isinstance(mfd, Mapping):
+        raise _err("mfd_config", mfd, "a JSON object")
+    num_modes = mfd.get("num_modes")
+    if num_modes is not None and (isinstance(num_modes, bool) or not isinstance(num_modes, int) or num_modes < 1):
+        raise _err("mfd_config.num_modes", num_modes, "an integer >= 1")
+    default_mode = mfd.get("default_mode", _UNSPECIFIED)
+    if default_mode == "embed":
+        default_mode = None
+    elif "default_mode" in mfd and (isinstance(default_mode, bool) or not isinstance(default_mode, int) or default_mode < 0):
+        raise _err("mfd_config.default_mode", default_mode, "a mode index >= 0 or \"embed\"")
+    draft_vocab_size = mfd.get("draft_vocab_size")
+
+    known = {
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+        "attention_bias", "block_size", "dflash_config", "target_layer_ids", "mask_token_id",
+        "num_target_layers", "mfd_config", "layer_types", "sliding_window",
+    }
+    return DrafterConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=_get_int(raw, "num_key_value_heads", default=heads),
+        head_dim=int(head_dim),
+        intermediate_size=_get_int(raw, "intermediate_size"),
+        vocab_size=_get_int(raw, "vocab_size"),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        block_size=block_size,
+        target_layer_ids=tuple(layer_ids),
+        mask_token_id=mask_token_id,
+        num_target_layers=raw.get("num_target_layers"),
+        num_modes=num_modes or 0,  # 0 until the weights say (see _resolve_modes)
+        default_mode=default_mode,
+        draft_vocab_size=draft_vocab_size,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        extra={k: v for k, v in raw.items() if k not in known},
+    )
+
+
+def expected_shapes(cfg: DrafterConfig, *, num_context_features: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The shape of every required tensor of a drafter with this config."""
+    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    n_ctx = num_context_features or len(cfg.target_layer_ids) * h
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, n_ctx),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for layer in range(cfg.num_hidden_layers):
+        p = f"layers.{layer}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if cfg.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.bias": (h,),
+            }
+    return shapes
+
+
+def _read_json(path: Path, field_name: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise _err(field_name, f"invalid JSON ({exc})", "a JSON object") from exc
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        weight_map = _read_json(index, WEIGHTS_INDEX_FILE)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise _err(f"{WEIGHTS_INDEX_FILE} weight_map", weight_map, "an object of tensor name -> shard file")
+        shards = sorted(set(weight_map.values()))
+        weights: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise _err(f"{WEIGHTS_INDEX_FILE} shard", shard, "an existing file next to the index")
+            weights |= load_file(str(path / shard))
+        return weights
+    found = sorted(p.name for p in path.iterdir())
+    raise _err("weights", found, f"{WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {path}",
+               "Save the drafter with safetensors (save_pretrained(..., safe_serialization=True)).")
+
+
+def _canonical_names(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """Strip the optional `model.` prefix; set aside tensors that inference ignores."""
+    kept, ignored = {}, []
+    for name, tensor in weights.items():
+        name = name.removeprefix("model.")
+        if name.startswith(_IGNORED_PREFIXES):
+            ignored.append(name)
+        else:
+            kept[name] = tensor
+    return kept, tuple(sorted(ignored))
+
+
+def _resolve_modes(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) -> DrafterConfig:
+    """Fix K and the default path from the weights, checking them against mfd_config."""
+    h = cfg.hidden_size
+    mode_embed = weights.get("mode_embed")
+    if mode_embed is None:
+        if cfg.num_modes > 1:
+            raise _err("mode_embed", None, f"a [{cfg.num_modes}, {h}] tensor (mfd_config.num_modes = {cfg.num_modes})",
+                       "Either add the mode embeddings or drop mfd_config.num_modes.")
+        num_modes = 1
+    else:
+        if mode_embed.dim() != 2 or mode_embed.shape[1] != h:
+            raise _err("mode_embed shape", tuple(mode_embed.shape), f"[K, {h}] (K modes x hidden_size)")
+        num_modes = mode_embed.shape[0]
+        if cfg.num_modes and cfg.num_modes != num_modes:
+            raise _err("mfd_config.num_modes", cfg.num_modes, f"{num_modes} (rows of mode_embed)")
+    default_mode = cfg.default_mode
+    default_embed = weights.get("default_mode_embed")
+    if default_embed is not None and tuple(default_embed.shape) != (h,):
+        raise _err("default_mode_embed shape", tuple(default_embed.shape), f"[{h}]")
+    if default_mode is None and default_embed is None:
+        raise _err("default_mode_embed", None, f"a [{h}] tensor (mfd_config.default_mode = \"embed\")")
+    if default_mode == _UNSPECIFIED:
+        default_mode = None if default_embed is not None else 0
+    elif default_mode is not None and default_embed is not None:
+        raise _err("default_mode_embed", f"a [{h}] tensor", f"none with mfd_config.default_mode = {default_mode}",
+                   "Set mfd_config.default_mode to \"embed\" to draft with it, or remove the tensor.")
+    if default_mode is not None and default_mode >= num_modes:
+        raise _err("mfd_config.default_mode", default_mode, f"a mode index below K = {num_modes}")
+    draft_vocab = weights.get("draft_vocab")
+    draft_vocab_size = None
+    if draft_vocab is not None:
+        if draft_vocab.dim() != 1 or draft_vocab.dtype not in (torch.int32, torch.int64):
+            raise _err("draft_vocab", f"{draft_vocab.dtype} {tuple(draft_vocab.shape)}", "a 1-D int64 tensor of target ids")
+        if draft_vocab.numel() > 1 and not bool((draft_vocab[1:] > draft_vocab[:-1]).all()):
+            raise _err("draft_vocab", "unsorted or repeated ids", "strictly increasing target token ids")
+        if draft_vocab.numel() and (int(draft_vocab[0]) < 0 or int(draft_vocab[-1]) >= cfg.vocab_size):
+            raise _err("draft_vocab ids", (int(draft_vocab[0]), int(draft_vocab[-1])), f"ids in [0, {cfg.vocab_size})")
+        draft_vocab_size = draft_vocab.numel()
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
+        raise _err("mfd_config.draft_vocab_size", cfg.draft_vocab_size, f"{draft_vocab_size} (length of draft_vocab)")
+    return replace(cfg, num_modes=num_modes, default_mode=default_mode, draft_vocab_size=draft_vocab_size)
+
+
+def validate_weights(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    """Every required tensor present with its shape; nothing unknown left over."""
+    shapes = expected_shapes(cfg, num_context_features=None)
+    fc = weights.get("fc.weight")
+    if fc is not None and fc.dim() == 2 and fc.shape[0] == cfg.hidden_size:
+        n_ctx = len(cfg.target_layer_ids)
+        if fc.shape[1] % n_ctx:
+            raise _err("fc.weight shape", tuple(fc.shape),
+                       f"[{cfg.hidden_size}, {n_ctx} x target hidden size] ({n_ctx} target_layer_ids)")
+        shapes["fc.weight"] = (cfg.hidden_size, fc.shape[1])
+    missing = [n for n in shapes if n not in weights]
+    if missing:
+        raise _err("weights", f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}",
+                   f"all {len(shapes)} DFlash tensors", "Is this a DFlash/MFD drafter checkpoint?")
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise _err(f"{name} shape", tuple(weights[name].shape), str(list(shape)))
+    optional = {"mode_embed", "default_mode_embed", "draft_vocab"}
+    unknown = sorted(n for n in weights if n not in shapes and n not in optional)
+    if unknown:
+        raise _err("weights", f"unknown tensors {unknown[:5]}", "only DFlash/MFD drafter tensors",
+                   "Remove them or convert the checkpoint; nothing is dropped silently.")
+
+
+def load_drafter(path: str | Path, *, device: str | torch.device = "cpu") -> DrafterCheckpoint:
+    """Load and validate a DFlash or MFD drafter directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise _err("drafter path", str(path), "a directory with config.json and safetensors weights")
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise _err("config.json", None, f"a file at {config_path}")
+    raw = _read_json(config_path, "config.json")
+    cfg = parse_drafter_config(raw)
+    weights, ignored = _canonical_names(_read_weights(path))
+    cfg = _resolve_modes(cfg, weights)
+    validate_weights(cfg, weights)
+    weights = {name: t.to(device) for name, t in weights.items()}
+    return DrafterCheckpoint(path=path, config=cfg, weights=weights, ignored=ignored)
+
+
+def save_drafter(path: str | Path, raw_config: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> None:
+    """Write a drafter directory in the format load_drafter reads (config.json + model.safetensors)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(dict(raw_config), indent=2) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(path / WEIGHTS_FILE))
+
+
+# --- the fit check against a target -------------------------------------------------------------
+
+def _target_text_config(target: Any) -> dict[str, Any]:
+    if isinstance(target, (str, Path)):
+        config_path = Path(target) / CONFIG_FILE
+        if not config_path.is_file():
+            raise _err("target config.json", None, f"a file at {config_path}")
+        target = _read_json(config_path, "target config.json")
+    if not isinstance(target, Mapping):
+        target = target.to_dict()
+    return dict(target.get("text_config") or target)
+
+
+def check_fits_target(ckpt: DrafterCheckpoint, target: Any) -> None:
+    """Raise CheckpointError unless the drafter can run on this target (a config dict, HF config or dir)."""
+    cfg, tgt = ckpt.config, _target_text_config(target)
+    t_hidden, t_vocab, t_layers = tgt.get("hidden_size"), tgt.get("vocab_size"), tgt.get("num_hidden_layers")
+    if cfg.hidden_size != t_hidden:
+        raise _err("hidden_size", cfg.hidden_size, f"{t_hidden} (the target's; the drafter borrows its embeddings)")
+    fc_in = ckpt.weights["fc.weight"].shape[1]
+    if fc_in != len(cfg.target_layer_ids) * t_hidden:
+        raise _err("fc.weight input size", fc_in, f"{len(cfg.target_layer_ids)} x {t_hidden} = "
+                   f"{len(cfg.target_layer_ids) * t_hidden} (target_layer_ids x target hidden_size)")
+    if cfg.vocab_size != t_vocab:
+        raise _err("vocab_size", cfg.vocab_size, f"{t_vocab} (the target's)")
+    bad = [i for i in cfg.target_layer_ids if i >= t_layers]
+    if bad:
+        raise _err("dflash_config.target_layer_ids", list(cfg.target_layer_ids),
+                   f"layer indices below the target's depth {t_layers} (out of range: {bad})")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != t_layers:
+        raise _err("num_target_layers", cfg.num_target_layers, f"{t_layers} (the target's num_hidden_layers)",
+                   "The drafter was trained for a target of another depth.")
+    if cfg.mask_token_id >= t_vocab:
+        raise _err("dflash_config.mask_token_id", cfg.mask_token_id, f"a token id below the target's vocab_size {t_vocab}")
+
+
+def describe(ckpt: DrafterCheckpoint) -> dict[str, Any]:
+    """A JSON-friendly summary of a drafter, for `inspect`."""
+    cfg = ckpt.config
+    params = sum(t.numel() for n, t in ckpt.weights.items() if n != "draft_vocab")
+    default_path = "default_mode_embed" if cfg.default_mode is None else f"mode {cfg.default_mode}"
+    return {
+        "path": str(ckpt.path),
+        "kind": ckpt.kind,
+        "num_modes": cfg.num_modes,
+        "default_path": default_path,
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv x {cfg.head_dim}",
+        "block_size": cfg.block_size,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "mask_token_id": cfg.mask_token_id,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "parameters": params,
+        "dtype": str(ckpt.weights["fc.weight"].dtype).removeprefix("torch."),
+        "ignored_tensors": list(ckpt.ignored),
+    }

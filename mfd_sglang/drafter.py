@@ -1,0 +1,257 @@
+"""The MFD drafter in plain PyTorch: a DFlash block drafter that drafts K modes in one forward pass.
+
+Architecture (DFlash): Qwen3-style layers (q_norm/k_norm, RoPE, SwiGLU MLP). Hidden states of a few
+target layers are concatenated, projected by `fc` and normalised by `hidden_norm`; every layer
+turns that context into keys and values of its own (k_proj + k_norm + RoPE at the true positions,
+v_proj) and attends to it ahead of the block. The block is `[last verified token, MASK x D]`,
+embedded with the TARGET's embeddings; attention inside a block is bidirectional. The final norm
+feeds the TARGET's lm_head.
+
+MFD: copy k of the block gets mode embedding k added to every position. All K copies share the
+context keys/values and run in the same forward pass; a copy never sees another copy's block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import DrafterCheckpoint, DrafterConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [..., head_dim] for integer positions [...] (HF 'default' rope, half-rotation)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids) -> torch.Tensor:
+    """Concatenate the outputs of the drafter's target layers (HF hidden_states[0] is the embedding)."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+@dataclass
+class DraftContext:
+    """The drafter's per-layer context keys/values, padded on the right: k, v [bs, kv_heads, L, head_dim]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor  # [bs, L] true token positions
+    valid: torch.Tensor  # [bs, L] bool, False for padding
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    def append(self, other: "DraftContext") -> "DraftContext":
+        return DraftContext(
+            keys=[torch.cat([a, b], dim=2) for a, b in zip(self.keys, other.keys)],
+            values=[torch.cat([a, b], dim=2) for a, b in zip(self.values, other.values)],
+            positions=torch.cat([self.positions, other.positions], dim=1),
+            valid=torch.cat([self.valid, other.valid], dim=1),
+        )
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer: int):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg, self.layer = cfg, layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias)
+        self.q_norm = nn.Parameter(torch.ones(hd))
+        self.k_norm = nn.Parameter(torch.ones(hd))
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [bs, kv_heads, T, hd] for inputs x [bs, T, H] at positions [bs, T]."""
+        bs, t, _ = x.shape
+        k = self.k_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)
+        k = rms_norm(k, self.k_norm, self.cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta, x.dtype)
+        k = apply_rope(k, cos[:, :, None], sin[:, :, None])
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, num_modes: int,
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [bs, K*T, H] (mode-major), positions [bs, K*T], mask [bs, 1, K*T, Lc + K*T] bool."""
+        bs, rows, _ = x.shape
+        eps = self.cfg.rms_norm_eps
+        h = rms_norm(x, self.input_layernorm, eps)
+        q = self.q_proj(h).view(bs, rows, self.num_heads, self.head_dim)
+        q = rms_norm(q, self.q_norm, eps)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta, x.dtype)
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).transpose(1, 2)
+        k, v = self.keys_values(h, positions)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(bs, rows, -1))
+        h = rms_norm(x, self.post_attention_layernorm, eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class MFDDrafter(nn.Module):
+    """A DFlash/MFD drafter. Embeddings and lm_head are the target's, passed in at call time."""
+
+    def __init__(self, cfg: DrafterConfig, context_features: int):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(context_features, h, bias=False)
+        self.hidden_norm = nn.Parameter(torch.ones(h))
+        self.norm = nn.Parameter(torch.ones(h))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.mode_embed = nn.Parameter(torch.zeros(cfg.num_modes, h), requires_grad=cfg.num_modes > 1)
+        self.default_mode_embed = nn.Parameter(torch.zeros(h)) if cfg.default_mode is None else None
+        self.register_buffer("draft_vocab", None)
+        # A plain DFlash checkpoint has no mode_embed; the module then holds one zero row.
+        self.carries_mode_embed = cfg.num_modes > 1
+
+    # --- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, ckpt: DrafterCheckpoint, *, dtype: torch.dtype | None = None) -> "MFDDrafter":
+        w = ckpt.weights
+        model = cls(ckpt.config, context_features=w["fc.weight"].shape[1])
+        weights = _to_module_names(w, ckpt.config)
+        if "draft_vocab" in weights:
+            weights["draft_vocab"] = weights["draft_vocab"].long()
+            model.draft_vocab = torch.empty_like(weights["draft_vocab"])
+        model.carries_mode_embed = "mode_embed" in w
+        model.load_state_dict(weights, strict=True)
+        if dtype is not None:
+            model.to(dtype)
+        return model.eval()
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """Weights under the checkpoint's (z-lab) names; inverse of from_checkpoint."""
+        names = {module: ckpt for ckpt, module in _name_map(self.cfg).items()}
+        out = {names.get(n, n): p.detach() for n, p in self.state_dict().items() if p is not None}
+        if not self.carries_mode_embed:
+            out.pop("mode_embed")
+        return out
+
+    # --- the pieces of a draft step ------------------------------------------------------------
+    @property
+    def num_draft_positions(self) -> int:
+        return self.cfg.block_size - 1
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Concatenated target-layer hidden states [bs, L, n_ctx*H] -> drafter context [bs, L, H]."""
+        return rms_norm(self.fc(target_hidden), self.hidden_norm, self.cfg.rms_norm_eps)
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor,
+                   valid: torch.Tensor | None = None) -> DraftContext:
+        """Per-layer context keys/values for new context tokens (appended to the draft cache)."""
+        ctx = self.project_context(target_hidden)
+        keys, values = zip(*(layer.keys_values(ctx, positions) for layer in self.layers))
+        if valid is None:
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        return DraftContext(list(keys), list(values), positions, valid)
+
+    def mode_vectors(self, single_mode: bool) -> torch.Tensor:
+        """[K', H]: the K mode embeddings, or the one vector of the default (single-mode) path."""
+        if not single_mode:
+            return self.mode_embed
+        if self.default_mode_embed is not None:
+            return self.default_mode_embed[None]
+        return self.mode_embed[self.cfg.default_mode : self.cfg.default_mode + 1]
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context: DraftContext,
+                *, single_mode: bool = False) -> torch.Tensor:
+        """Draft all modes in one pass.
+
+        block_embeds [bs, T, H]: target embeddings of `[last verified token, MASK x (T-1)]`;
+        block_positions [bs, T]. Returns the final-normed hidden states [bs, K', T-1, H] of the
+        drafted positions (the first block slot is dropped).
+        """
+        bs, t, h = block_embeds.shape
+        modes = self.mode_vectors(single_mode).to(block_embeds.dtype)
+        k = modes.shape[0]
+        x = (block_embeds[:, None] + modes[None, :, None]).reshape(bs, k * t, h)
+        positions = block_positions.repeat(1, k)
+        mask = self._attention_mask(context, block_positions, k)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, k, context.keys[i], context.values[i], mask[i])
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return x.view(bs, k, t, h)[:, :, 1:]
+
+    def _attention_mask(self, context: DraftContext, block_positions: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """Per-layer bool masks [bs, 1, K*T, Lc + K*T]: valid context + own mode's block (bidirectional).
+
+        Sliding-attention layers are causal with a window, as in DFlash checkpoints that use them.
+        """
+        bs, t = block_positions.shape
+        mode_of_row = torch.arange(k, device=block_positions.device).repeat_interleave(t)
+        same_mode = mode_of_row[:, None] == mode_of_row[None, :]
+        full = torch.cat([context.valid[:, None, :].expand(bs, k * t, -1), same_mode.expand(bs, -1, -1)], dim=2)
+        masks = []
+        key_pos = torch.cat([context.positions, block_positions.repeat(1, k)], dim=1)
+        query_pos = block_positions.repeat(1, k)
+        for i in range(self.cfg.num_hidden_layers):
+            mask = full
+            if self.cfg.is_sliding(i):
+                delta = query_pos[:, :, None] - key_pos[:, None, :]
+                mask = mask & (delta >= 0) & (delta < self.cfg.sliding_window)
+            masks.append(mask[:, None])
+        return masks
+
+    def logprobs(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the draft vocabulary (or the full one) [..., Vd], in fp32."""
+        weight = lm_head_weight if self.draft_vocab is None else lm_head_weight[self.draft_vocab]
+        return torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+
+def _name_map(cfg: DrafterConfig) -> dict[str, str]:
+    """checkpoint tensor name -> module parameter name, for names that differ."""
+    names = {"hidden_norm.weight": "hidden_norm", "norm.weight": "norm"}
+    for i in range(cfg.num_hidden_layers):
+        for src, dst in [
+            ("self_attn.q_norm.weight", "q_norm"), ("self_attn.k_norm.weight", "k_norm"),
+            ("input_layernorm.weight", "input_layernorm"),
+            ("post_attention_layernorm.weight", "post_attention_layernorm"),
+        ]:
+            names[f"layers.{i}.{src}"] = f"layers.{i}.{dst}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            for kind in ("weight", "bias"):
+                names[f"layers.{i}.self_attn.{proj}.{kind}"] = f"layers.{i}.{proj}.{kind}"
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[f"layers.{i}.mlp.{proj}.weight"] = f"layers.{i}.{proj}.weight"
+    return names
+
+
+def _to_module_names(weights: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    names = _name_map(cfg)
+    out = {names.get(n, n): t for n, t in weights.items()}
+    out.setdefault("mode_embed", torch.zeros(1, cfg.hidden_size, dtype=weights["fc.weight"].dtype))
+    return out

@@ -1,0 +1,190 @@
+"""`make-tiny`: a small Qwen3-shaped target and an MFD drafter that really agrees with it, built offline.
+
+A random drafter never agrees with its target, so nothing downstream would ever see a deep
+acceptance. Instead:
+  1. a word-level tokenizer (with a ChatML chat template) over a small vocabulary;
+  2. a target trained for a few seconds on a synthetic language of cyclic word lists (numbers,
+     the NATO alphabet, days, months, colours, a phrase). Some words occur in two lists ("may",
+     "march", "we"), so the continuation depends on earlier tokens: the target must attend;
+  3. the drafter trained for a few seconds on the target's OWN greedy continuations.
+Everything is fp32 and deterministic for a seed. Under a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from .checkpoint import load_drafter, parse_drafter_config, save_drafter
+from .drafter import MFDDrafter, context_features
+from .train import cosine_lr, drafter_loss, sample_anchors
+
+WORD_LISTS = [
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split(),
+    ("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
+     "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split(),
+    "monday tuesday wednesday thursday friday saturday sunday".split(),
+    "january february march april may june july august september october november december".split(),
+    "red orange yellow green blue indigo violet".split(),
+    "we may go home now and then we march on".split(),
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "[UNK]"]
+EXTRA_WORDS = ["user", "assistant", "system", ".", ",", "?", "!"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PROMPTS = [
+    "one two three four",
+    "alpha bravo charlie",
+    "monday tuesday",
+    "january february march",
+    "red orange yellow",
+    "we may go home",
+]
+
+SEQ_LEN = 64
+TARGET_LAYERS = 3
+TARGET_LAYER_IDS = [0, 2]
+BLOCK_SIZE = 8
+
+
+def vocabulary() -> list[str]:
+    words = sorted({w for words in WORD_LISTS for w in words})
+    return SPECIAL_TOKENS + EXTRA_WORDS + words
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(vocabulary())}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<|mask|>"], chat_template=CHAT_TEMPLATE,
+    )
+
+
+def corpus_stream(rng: random.Random, tokenizer: PreTrainedTokenizerFast, length: int) -> list[int]:
+    """Sentences that walk a word list cyclically from a random start, each ended by '.'."""
+    words: list[str] = []
+    while len(words) < length:
+        cycle = rng.choice(WORD_LISTS)
+        start = rng.randrange(len(cycle))
+        words += [cycle[(start + i) % len(cycle)] for i in range(rng.randint(6, 40))] + ["."]
+    return tokenizer.convert_tokens_to_ids(words[:length])
+
+
+def target_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def drafter_config(tokenizer: PreTrainedTokenizerFast, num_modes: int) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": len(tokenizer), "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "attention_bias": False, "torch_dtype": "float32",
+        "block_size": BLOCK_SIZE, "num_target_layers": TARGET_LAYERS,
+        "dflash_config": {"mask_token_id": tokenizer.convert_tokens_to_ids("<|mask|>"),
+                          "target_layer_ids": TARGET_LAYER_IDS},
+        "mfd_config": {"num_modes": num_modes, "default_mode": 0},
+    }
+
+
+def train_target(model: Qwen3ForCausalLM, data: torch.Tensor, steps: int, generator: torch.Generator,
+                 log=print) -> None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        rows = torch.randint(0, data.shape[0], (32,), generator=generator)
+        loss = model(data[rows], labels=data[rows]).loss
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, steps, 3e-3, steps // 10)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  target step {step:4d}  loss {loss.item():.3f}")
+    model.eval()
+
+
+@torch.inference_mode()
+def greedy_continuations(model: Qwen3ForCausalLM, prompts: torch.Tensor, total_len: int) -> torch.Tensor:
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=total_len - prompts.shape[1],
+                         min_new_tokens=total_len - prompts.shape[1], do_sample=False, pad_token_id=0)
+    return out[:, :total_len]
+
+
+def train_drafter(drafter: MFDDrafter, target: Qwen3ForCausalLM, sequences: torch.Tensor, steps: int,
+                  generator: torch.Generator, log=print) -> None:
+    with torch.no_grad():
+        features = context_features(target(sequences, output_hidden_states=True).hidden_states, TARGET_LAYER_IDS)
+    embed = target.get_input_embeddings().weight.detach()
+    lm_head = target.get_output_embeddings().weight.detach()
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    drafter.train()
+    for step in range(steps):
+        rows = torch.randint(0, sequences.shape[0], (16,), generator=generator)
+        anchors = sample_anchors(generator, 16, 8, sequences.shape[1], BLOCK_SIZE)
+        loss = drafter_loss(drafter, embed, lm_head, sequences[rows], features[rows], anchors)
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, steps, 3e-3, steps // 10)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  drafter step {step:4d}  loss {loss.item():.3f}")
+    drafter.eval()
+
+
+def make_tiny(outdir: str | Path, *, seed: int = 0, num_modes: int = 4, target_steps: int = 400,
+              drafter_steps: int = 300, log=print) -> Path:
+    """Write OUTDIR/target (HF Qwen3 + tokenizer) and OUTDIR/drafter (MFD checkpoint)."""
+    start = time.perf_counter()
+    outdir = Path(outdir)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    tokenizer = build_tokenizer()
+
+    log(f"[make-tiny] training the target ({target_steps} steps)")
+    data = torch.tensor(corpus_stream(rng, tokenizer, 512 * SEQ_LEN)).view(512, SEQ_LEN)
+    target = Qwen3ForCausalLM(target_config(tokenizer))
+    train_target(target, data, target_steps, generator, log)
+
+    log(f"[make-tiny] the target's greedy continuations, then the drafter ({drafter_steps} steps, K = {num_modes})")
+    prompts = data[torch.randperm(data.shape[0], generator=generator)[:96], :16]
+    sequences = greedy_continuations(target, prompts, SEQ_LEN)
+    raw = drafter_config(tokenizer, num_modes)
+    cfg = parse_drafter_config(raw)
+    drafter = MFDDrafter(cfg, context_features=len(TARGET_LAYER_IDS) * cfg.hidden_size)
+    with torch.no_grad():
+        # Small, distinct mode embeddings: every mode starts as the same drafter, slightly shifted.
+        drafter.mode_embed.normal_(0.0, 0.02, generator=generator)
+        for name, p in drafter.named_parameters():
+            if p.dim() == 2 and name != "mode_embed":
+                p.normal_(0.0, 0.05, generator=generator)
+    train_drafter(drafter, target, sequences, drafter_steps, generator, log)
+
+    target.save_pretrained(outdir / "target", safe_serialization=True)
+    tokenizer.save_pretrained(outdir / "target")
+    save_drafter(outdir / "drafter", raw, drafter.checkpoint_weights())
+    load_drafter(outdir / "drafter")  # what we wrote must load
+    (outdir / "prompts.json").write_text(json.dumps(PROMPTS, indent=2) + "\n")
+    log(f"[make-tiny] wrote {outdir}/target and {outdir}/drafter in {time.perf_counter() - start:.1f} s")
+    return outdir

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create (or refresh) .venv with what SGLang 0.5.23 needs on a CPU machine, then install this
+# package in editable mode. Idempotent: a second run only checks that everything is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+STAMP=.venv/.mfd-setup-stamp
+WANT=$(sha1sum scripts/setup.sh setup.py | sha1sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  echo "[setup] .venv is up to date"
+  exit 0
+fi
+PIP="$VPY -m pip install -q --disable-pip-version-check"
+echo "[setup] torch 2.14.1 (CUDA build; runs on CPU)"
+$PIP torch==2.14.1 torchvision==0.29.1
+echo "[setup] sglang 0.5.23 (without its CUDA-only dependency tree) and its lean dependencies"
+$PIP --no-deps sglang==0.5.23
+$PIP numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
+  pyzmq tqdm ipython aiohttp huggingface-hub
+$PIP transformers==5.19.0 tokenizers==0.23.2 dill apache-tvm-ffi==0.1.11 \
+  sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf uvicorn uvloop fastapi openai==2.8.0 \
+  partial-json-parser setproctitle einops jsonschema xgrammar==0.2.7 soundfile==0.13.1 \
+  python-multipart ninja
+echo "[setup] triton, safetensors, pytest"
+$PIP triton safetensors pytest
+echo "[setup] mfd-sglang (editable)"
+$PIP --no-deps -e .
+echo "$WANT" > "$STAMP"
+echo "[setup] done"

@@ -1,0 +1,54 @@
+"""Shared fixtures: the make-tiny pair (built once per test session) and its plain-DFlash twin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mfd_sglang.checkpoint import load_drafter, save_drafter
+from mfd_sglang.tiny import make_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> Path:
+    """OUTDIR with target/, drafter/ (MFD, K = 4) and prompts.json."""
+    return make_tiny(tmp_path_factory.mktemp("tiny"), seed=0, num_modes=4, log=lambda *a: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash_drafter(tiny_pair, tmp_path_factory) -> Path:
+    """The tiny drafter rewritten as a plain DFlash checkpoint (K = 1, no mode_embed, no mfd_config),
+    dropping the (small) mode embeddings: it still agrees with the target often."""
+    ckpt = load_drafter(tiny_pair / "drafter")
+    raw = json.loads((tiny_pair / "drafter" / "config.json").read_text())
+    raw.pop("mfd_config")
+    weights = {n: t for n, t in ckpt.weights.items() if n != "mode_embed"}
+    out = tmp_path_factory.mktemp("dflash") / "drafter"
+    save_drafter(out, raw, weights)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tiny_pair) -> list[str]:
+    return json.loads((tiny_pair / "prompts.json").read_text())
+
+
+def target_greedy(model, input_ids: list[int], max_new_tokens: int, eos: set[int] = frozenset()) -> list[int]:
+    """Plain autoregressive greedy decoding with a KV cache: the ground truth."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([input_ids])
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(out) < max_new_tokens:
+            logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            if token in eos:
+                break
+            ids = torch.tensor([[token]])
+    return out

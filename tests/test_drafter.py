@@ -1,0 +1,129 @@
+"""The drafter: K modes in one pass equal K separate passes; padding and context visibility are right."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mfd_sglang.checkpoint import parse_drafter_config
+from mfd_sglang.drafter import MFDDrafter
+
+HIDDEN, N_CTX, BLOCK, VOCAB = 32, 2, 6, 50
+
+
+def make_drafter(num_modes: int = 3, default_mode: int = 0, seed: int = 0, **cfg_changes) -> MFDDrafter:
+    raw = {
+        "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "intermediate_size": 64, "vocab_size": VOCAB, "block_size": BLOCK,
+        "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1]},
+        "mfd_config": {"num_modes": num_modes, "default_mode": default_mode},
+    }
+    cfg = replace(parse_drafter_config(raw), **cfg_changes)
+    torch.manual_seed(seed)
+    drafter = MFDDrafter(cfg, context_features=N_CTX * HIDDEN)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 2 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
+    return drafter.eval()
+
+
+def inputs(bs: int, ctx_len: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(bs, ctx_len, N_CTX * HIDDEN, generator=gen)
+    ctx_pos = torch.arange(ctx_len)[None].expand(bs, -1)
+    block_embeds = torch.randn(bs, BLOCK, HIDDEN, generator=gen)
+    block_pos = ctx_len + torch.arange(BLOCK)[None].expand(bs, -1)
+    return features, ctx_pos, block_embeds, block_pos
+
+
+def test_k_modes_in_one_pass_equal_separate_single_mode_passes():
+    drafter = make_drafter(num_modes=3)
+    features, ctx_pos, block, block_pos = inputs(2, 9)
+    with torch.no_grad():
+        context = drafter.context_kv(features, ctx_pos)
+        together = drafter(block, block_pos, context)
+        assert together.shape == (2, 3, BLOCK - 1, HIDDEN)
+        for mode in range(3):
+            alone = make_drafter(num_modes=3, default_mode=mode)
+            alone.load_state_dict(drafter.state_dict())
+            single = alone(block, block_pos, alone.context_kv(features, ctx_pos), single_mode=True)
+            torch.testing.assert_close(together[:, mode : mode + 1], single, atol=1e-5, rtol=1e-5)
+    # Different modes really draft differently.
+    assert not torch.allclose(together[:, 0], together[:, 1], atol=1e-3)
+
+
+def test_batched_padded_contexts_equal_unbatched():
+    drafter = make_drafter()
+    features, ctx_pos, block, _ = inputs(2, 12)
+    lengths = [12, 7]
+    with torch.no_grad():
+        valid = torch.arange(12)[None] < torch.tensor(lengths)[:, None]
+        block_pos = torch.tensor(lengths)[:, None] + torch.arange(BLOCK)[None]
+        batched = drafter(block, block_pos, drafter.context_kv(features, ctx_pos, valid))
+        for b, n in enumerate(lengths):
+            alone = drafter(block[b : b + 1], block_pos[b : b + 1],
+                            drafter.context_kv(features[b : b + 1, :n], ctx_pos[b : b + 1, :n]))
+            torch.testing.assert_close(batched[b : b + 1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_block_sees_valid_context_only():
+    drafter = make_drafter()
+    features, ctx_pos, block, block_pos = inputs(1, 8)
+    valid = torch.arange(8)[None] < 5
+    with torch.no_grad():
+        base = drafter(block, block_pos, drafter.context_kv(features, ctx_pos, valid))
+        changed_hidden = features.clone()
+        changed_hidden[:, 6] += 5.0
+        same = drafter(block, block_pos, drafter.context_kv(changed_hidden, ctx_pos, valid))
+        changed_visible = features.clone()
+        changed_visible[:, 2] += 5.0
+        differs = drafter(block, block_pos, drafter.context_kv(changed_visible, ctx_pos, valid))
+    torch.testing.assert_close(base, same)
+    assert not torch.allclose(base, differs, atol=1e-3)
+
+
+def test_attention_inside_the_block_is_bidirectional():
+    """A later block position influences an earlier one (DFlash blocks are not causal)."""
+    drafter = make_drafter()
+    features, ctx_pos, block, block_pos = inputs(1, 4)
+    with torch.no_grad():
+        context = drafter.context_kv(features, ctx_pos)
+        base = drafter(block, block_pos, context)
+        later = block.clone()
+        later[:, -1] += 3.0
+        moved = drafter(later, block_pos, context)
+    assert not torch.allclose(base[:, :, 0], moved[:, :, 0], atol=1e-4)
+
+
+def test_sliding_layers_are_causal_within_their_window():
+    drafter = make_drafter(layer_types=("sliding_attention", "sliding_attention"), sliding_window=3)
+    features, ctx_pos, block, block_pos = inputs(1, 6)
+    with torch.no_grad():
+        context = drafter.context_kv(features, ctx_pos)
+        base = drafter(block, block_pos, context)
+        later = block.clone()
+        later[:, -1] += 3.0
+        moved = drafter(later, block_pos, context)
+        far = features.clone()
+        far[:, 0] += 5.0  # 6+ positions before every block slot: outside a window of 3 after two layers
+        unseen = drafter(block, block_pos, drafter.context_kv(far, ctx_pos))
+    torch.testing.assert_close(base[:, :, : BLOCK - 2], moved[:, :, : BLOCK - 2])
+    torch.testing.assert_close(base, unseen)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, torch.tensor([1, 4, 7, 20, 33])])
+def test_logprobs_over_the_draft_vocabulary_map_back_to_target_ids(draft_vocab):
+    drafter = make_drafter()
+    if draft_vocab is not None:
+        drafter.draft_vocab = draft_vocab
+    lm_head = torch.randn(VOCAB, HIDDEN)
+    hidden = torch.randn(2, 3, BLOCK - 1, HIDDEN)
+    logprobs = drafter.logprobs(hidden, lm_head)
+    expected_ids = torch.arange(VOCAB) if draft_vocab is None else draft_vocab
+    assert logprobs.shape[-1] == len(expected_ids)
+    torch.testing.assert_close(logprobs.exp().sum(-1), torch.ones(2, 3, BLOCK - 1))
+    best = logprobs.argmax(-1)
+    full_scores = hidden @ lm_head[expected_ids].T
+    assert torch.equal(drafter.to_target_ids(best), expected_ids[full_scores.argmax(-1)])

@@ -1,0 +1,178 @@
+"""The reference engine is lossless: exactly the target's own decoding, whatever the drafter does."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import target_greedy
+from mfd_sglang.checkpoint import load_drafter
+from mfd_sglang.drafter import MFDDrafter, context_features
+from mfd_sglang.hf import SamplingParams, SpeculativeGenerator, load_target
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_target(tiny_pair / "target")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_pair):
+    return AutoTokenizer.from_pretrained(tiny_pair / "target")
+
+
+def drafter_from(path) -> MFDDrafter:
+    return MFDDrafter.from_checkpoint(load_drafter(path))
+
+
+def random_drafter(path, seed: int) -> MFDDrafter:
+    drafter = drafter_from(path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return drafter
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_greedy_is_exact_and_covers_every_acceptance_case(tiny_pair, tiny_dflash_drafter, tiny_prompts, target, tokenizer):
+    prompts = tiny_prompts + ["hello there , what comes next ?"]
+    drafters = {4: drafter_from(tiny_pair / "drafter"), 1: drafter_from(tiny_dflash_drafter)}
+    block = drafters[4].cfg.block_size
+    rounds = []
+    for text in prompts:
+        ids = encode(tokenizer, text)
+        expected = target_greedy(target, ids, MAX_NEW)
+        for k, drafter in drafters.items():
+            for budget in (1, 4, 16, 64):
+                out = SpeculativeGenerator(target, drafter, budget=budget).generate(ids, MAX_NEW)
+                assert out.token_ids == expected, (text, k, budget)
+                rounds += out.rounds
+    # The cases above must really have exercised every way a tree can be accepted.
+    accepted = [r.accepted for r in rounds]
+    assert 0 in accepted, "no round with zero acceptance"
+    assert max(accepted) >= 2, "no accepted path longer than one token"
+    assert block - 1 in accepted, "no round accepting the whole block (plus the bonus)"
+    assert any(rank > 0 for r in rounds for rank in r.accepted_sibling_ranks), "no acceptance through a non-first sibling"
+    assert any(mode != 0 for r in rounds for mode in r.accepted_modes), "no acceptance through a mode other than the first"
+    assert sum(r.emitted for r in rounds) / len(rounds) >= 2.0
+
+
+def test_random_drafter_is_still_exact(tiny_pair, tiny_prompts, target, tokenizer):
+    drafter = random_drafter(tiny_pair / "drafter", seed=1)
+    ids = encode(tokenizer, tiny_prompts[0])
+    out = SpeculativeGenerator(target, drafter, budget=16).generate(ids, 24)
+    assert out.token_ids == target_greedy(target, ids, 24)
+
+
+@pytest.mark.parametrize("tree,single_mode", [("chain", False), ("mixture", True)])
+def test_chain_and_single_mode_paths_are_exact(tiny_pair, tiny_prompts, target, tokenizer, tree, single_mode):
+    drafter = drafter_from(tiny_pair / "drafter")
+    for text in tiny_prompts[:3]:
+        ids = encode(tokenizer, text)
+        out = SpeculativeGenerator(target, drafter, budget=16, tree=tree, single_mode=single_mode).generate(ids, MAX_NEW)
+        assert out.token_ids == target_greedy(target, ids, MAX_NEW)
+        assert all(mode == 0 for r in out.rounds for mode in r.accepted_modes)
+
+
+def test_eos_inside_an_accepted_path_and_max_tokens_inside_a_round(tiny_pair, tiny_prompts, target, tokenizer):
+    drafter = drafter_from(tiny_pair / "drafter")
+    engine = SpeculativeGenerator(target, drafter, budget=16)
+    ids = encode(tokenizer, tiny_prompts[0])
+    full = target_greedy(target, ids, MAX_NEW)
+    # Find an (eos, max_new_tokens) pair that cuts a round in the middle of its accepted path.
+    cut_by_eos = cut_by_length = False
+    for eos_token in dict.fromkeys(full[4:]):
+        expected = target_greedy(target, ids, MAX_NEW, eos={eos_token})
+        out = engine.generate(ids, MAX_NEW, eos_token_ids={eos_token})
+        assert out.token_ids == expected and out.finish_reason == "eos"
+        last = out.rounds[-1]
+        cut_by_eos |= last.emitted < last.accepted + 1
+    for max_new in range(2, 20):
+        out = engine.generate(ids, max_new)
+        assert out.token_ids == full[:max_new] and out.finish_reason == "length"
+        last = out.rounds[-1]
+        cut_by_length |= last.emitted < last.accepted + 1
+    assert cut_by_eos, "no EOS fell inside an accepted path"
+    assert cut_by_length, "max_new_tokens never fell inside a round"
+
+
+def test_commit_leaves_caches_equal_to_a_fresh_forward(tiny_pair, tiny_prompts, target, tokenizer):
+    """After some rounds the target KV and the drafter context equal those of one forward over the sequence."""
+    drafter = drafter_from(tiny_pair / "drafter")
+    engine = SpeculativeGenerator(target, drafter, budget=16)
+    ids = encode(tokenizer, tiny_prompts[3])
+    params = SamplingParams()
+    state = engine.prefill(ids, params)
+    sequence = ids + [state.root]
+    for _ in range(4):
+        tree = engine.build_tree(engine.draft(state))
+        result, out = engine.verify(state, tree, params)
+        emitted = [t for t in result.accepted_tokens[0].tolist() if t >= 0]
+        engine.commit(state, result, out, len(emitted))
+        state.root = emitted[-1]
+        sequence += emitted
+    committed = torch.tensor([sequence[:-1]])
+    assert state.seq_len == committed.shape[1]
+    with torch.inference_mode():
+        fresh = target(committed, use_cache=True, output_hidden_states=True)
+        features = context_features(fresh.hidden_states, drafter.cfg.target_layer_ids)
+        context = drafter.context_kv(features, torch.arange(committed.shape[1])[None])
+    for mine, ref in zip(state.cache.layers, fresh.past_key_values.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)
+    for mine, ref in zip(state.context.keys + state.context.values, context.keys + context.values):
+        torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(state.context.positions, context.positions)
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.999 quantile of chi-square(df) (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_matches_the_target_distribution(tiny_pair, target, tokenizer):
+    """T > 0: the joint law of the first three sampled tokens equals the target's (chi-square, alpha 0.001)."""
+    drafter = drafter_from(tiny_pair / "drafter")
+    engine = SpeculativeGenerator(target, drafter, budget=16)
+    ids = encode(tokenizer, "one two three")
+    temperature, top_k, runs = 1.5, 3, 500
+
+    def filtered(prefix: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = target(torch.tensor([ids + prefix])).logits[0, -1] / temperature
+        kth = logits.topk(top_k).values[-1]
+        return torch.softmax(logits.masked_fill(logits < kth, -math.inf), -1)
+
+    expected: dict[tuple, float] = {}
+    p1 = filtered([])
+    for a in p1.nonzero()[:, 0].tolist():
+        p2 = filtered([a])
+        for b in p2.nonzero()[:, 0].tolist():
+            p3 = filtered([a, b])
+            for c in p3.nonzero()[:, 0].tolist():
+                expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    counts: dict[tuple, int] = {}
+    accepted = 0
+    for seed in range(runs):
+        out = engine.generate(ids, 3, params=SamplingParams(temperature, top_k, 1.0, seed))
+        key = tuple(out.token_ids)
+        assert key in expected, f"{key} is outside the target's top-{top_k} support"
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(r.accepted for r in out.rounds)
+    assert accepted > runs // 4, "the tree was hardly ever accepted: the test would not prove anything"
+    # Pool cells with small expectation so the chi-square approximation holds.
+    small = [k for k, p in expected.items() if p * runs < 5]
+    cells = [(expected[k] * runs, counts.get(k, 0)) for k in expected if k not in small]
+    cells.append((sum(expected[k] for k in small) * runs, sum(counts.get(k, 0) for k in small)))
+    chi2 = sum((o - e) ** 2 / e for e, o in cells if e > 0)
+    assert chi2 < _chi2_critical(len(cells) - 1), chi2
