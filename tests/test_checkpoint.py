@@ -452,19 +452,12 @@ def test_missing_config_json(tmp_path):
         load_drafter(path)
 
 
-def test_invalid_json_config(tmp_path):
+@pytest.mark.parametrize("text,found", [('{"hidden_size": 32,', "'invalid JSON.*"), ("[1, 2]", "'list'")])
+def test_config_that_is_not_a_json_object(tmp_path, text, found):
     raw = zlab_config()
     path = write(tmp_path / "d", raw, dflash_weights(raw))
-    (path / "config.json").write_text('{"hidden_size": 32,')
-    with pytest.raises(CheckpointError, match=error_pattern("config.json", "'invalid JSON.*", "a JSON object")):
-        load_drafter(path)
-
-
-def test_config_not_an_object(tmp_path):
-    raw = zlab_config()
-    path = write(tmp_path / "d", raw, dflash_weights(raw))
-    (path / "config.json").write_text("[1, 2]")
-    with pytest.raises(CheckpointError, match=error_pattern("config.json", "'list'", "a JSON object")):
+    (path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=error_pattern("config.json", found, "a JSON object")):
         load_drafter(path)
 
 

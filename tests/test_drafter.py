@@ -84,28 +84,26 @@ def test_block_sees_valid_context_only():
     assert not torch.allclose(base, differs, atol=1e-3)
 
 
-def test_attention_inside_the_block_is_bidirectional():
-    """A later block position influences an earlier one (DFlash blocks are not causal)."""
-    drafter = make_drafter()
-    features, ctx_pos, block, block_pos = inputs(1, 4)
+def outputs_before_after_moving_the_last_block_slot(drafter: MFDDrafter, ctx_len: int):
+    features, ctx_pos, block, block_pos = inputs(1, ctx_len)
     with torch.no_grad():
         context = drafter.context_kv(features, ctx_pos)
-        base = drafter(block, block_pos, context)
         later = block.clone()
         later[:, -1] += 3.0
-        moved = drafter(later, block_pos, context)
+        return drafter(block, block_pos, context), drafter(later, block_pos, context)
+
+
+def test_attention_inside_the_block_is_bidirectional():
+    """A later block position influences an earlier one (DFlash blocks are not causal)."""
+    base, moved = outputs_before_after_moving_the_last_block_slot(make_drafter(), ctx_len=4)
     assert not torch.allclose(base[:, :, 0], moved[:, :, 0], atol=1e-4)
 
 
 def test_sliding_layers_are_causal_within_their_window():
     drafter = make_drafter(layer_types=("sliding_attention", "sliding_attention"), sliding_window=3)
+    base, moved = outputs_before_after_moving_the_last_block_slot(drafter, ctx_len=6)
     features, ctx_pos, block, block_pos = inputs(1, 6)
     with torch.no_grad():
-        context = drafter.context_kv(features, ctx_pos)
-        base = drafter(block, block_pos, context)
-        later = block.clone()
-        later[:, -1] += 3.0
-        moved = drafter(later, block_pos, context)
         far = features.clone()
         far[:, 0] += 5.0  # 6+ positions before every block slot: outside a window of 3 after two layers
         unseen = drafter(block, block_pos, drafter.context_kv(far, ctx_pos))

@@ -1,0 +1,324 @@
+"""Triton `build_mixture_tree`: the same contract as, and bit-identical output to, the pure-torch
+reference in `mfd_sglang.tree` (same node order, tokens, parents, depths, scores, modes, valid).
+
+Fixed shapes and no host sync, so it can be captured in a CUDA graph. Three launches:
+
+  1. `_vocab_topk_kernel`, one program per (request, mode, depth): the min(B, V) best tokens over
+     the vocabulary (B = budget), in tiles merged into a running top-B (bitonic networks).
+  2. `_beam_kernel`, one program per (request, mode): per depth, the best B of the B beam slots x
+     min(B, V) tokens, written as the reference's beam entries (score, token, parent flat index).
+  3. `_merge_select_kernel`, one program per request: per depth, each entry's canonical entry (the
+     lowest flat index with the same (canonical parent, token) key), its best score over modes and
+     the lowest mode reaching it; then the global top-`budget` and the DraftTree fields.
+
+Exact ordering: every ranking sorts a distinct int64 key, the float score mapped to an int32 whose
+signed order is the float order (high half), and (2^31 - 1 - index) (low half). A descending top-k
+over these keys is the reference's stable descending sort: higher score first, ties to the lower
+index (token id, beam flat index, mode, or global index (depth - 1) * M + j). Scores are summed in
+float32 in the same order as the reference, so they are bitwise equal. NaN inputs are unsupported.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mfd_sglang.tree import DraftTree
+
+_MIN_KEY = -(2**63)  # below every real key: marks padding lanes
+_TILE = 4096  # elements per ranking tile: bounds the register footprint of one top-k
+
+
+@triton.jit
+def _ordered(x):
+    """float32 -> int32 with the same order (-0.0 and +0.0 map alike)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    # Negative floats order by decreasing magnitude: flip their magnitude bits.
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unordered(o):
+    """Inverse of `_ordered` (the bit flip is an involution that keeps the sign)."""
+    return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rank_key(score, index):
+    """int64 ranking key: higher score first, ties to the lower index (0 <= index < 2^31)."""
+    return (_ordered(score).to(tl.int64) << 32) + (2147483647 - index).to(tl.int64)
+
+
+@triton.jit
+def _key_score(key):
+    return _unordered((key >> 32).to(tl.int32))
+
+
+@triton.jit
+def _key_index(key):
+    return 2147483647 - (key - ((key >> 32) << 32))
+
+
+# Top-k is a bitonic network written with reshape/split/join (tl.topk is ~25x slower under the
+# Triton interpreter, which the CPU tests run on). Keys are distinct, so any exact network agrees.
+
+
+@triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.jit
+def _exchange(x, N: tl.constexpr, S: tl.constexpr, RUN: tl.constexpr, ASCENDING: tl.constexpr):
+    """One compare-exchange step over x [N]: lanes i and i + S (i & S == 0) swap into order;
+    runs of RUN lanes alternate direction, the first run descending (ascending if ASCENDING)."""
+    a, b = tl.split(tl.permute(tl.reshape(x, [N // (2 * S), 2, S]), (0, 2, 1)))
+    first_lane = tl.arange(0, N // (2 * S))[:, None] * (2 * S)
+    descending = ((first_lane // RUN) % 2 == 0) != ASCENDING
+    hi = tl.maximum(a, b)
+    lo = tl.minimum(a, b)
+    y = tl.join(tl.where(descending, hi, lo), tl.where(descending, lo, hi))
+    return tl.reshape(tl.permute(y, (0, 2, 1)), [N])
+
+
+@triton.jit
+def _sort_bitonic_runs(x, N: tl.constexpr, RUN: tl.constexpr, ASCENDING: tl.constexpr):
+    """Sorts every run of RUN lanes of x [N] whose lanes form a bitonic sequence."""
+    for i in tl.static_range(_log2(RUN)):
+        x = _exchange(x, N, RUN // (2 << i), RUN, ASCENDING)
+    return x
+
+
+@triton.jit
+def _top_k(x, N: tl.constexpr, K: tl.constexpr, ASCENDING: tl.constexpr):
+    """The K largest of x [N] (powers of two, K <= N), sorted (descending unless ASCENDING)."""
+    for i in tl.static_range(1, _log2(K) + 1):  # sort runs of K, alternating direction
+        x = _sort_bitonic_runs(x, N, 1 << i, ASCENDING)
+    for i in tl.static_range(_log2(N) - _log2(K)):
+        # Lane-wise max of a run and its oppositely sorted neighbour: a bitonic run holding
+        # the K largest of the two.
+        n: tl.constexpr = N >> i
+        a, b = tl.split(tl.permute(tl.reshape(x, [n // (2 * K), 2, K]), (0, 2, 1)))
+        x = _sort_bitonic_runs(tl.reshape(tl.maximum(a, b), [n // 2]), n // 2, K, ASCENDING)
+    return x
+
+
+@triton.jit
+def _merge_top(running, tile, N: tl.constexpr, K: tl.constexpr):
+    """The K largest of running [K] (sorted descending) and tile [N >= K], sorted descending."""
+    bitonic = tl.maximum(running, _top_k(tile, N, K, True))
+    return _sort_bitonic_runs(bitonic, K, K, False)
+
+
+@triton.jit
+def _vocab_topk_kernel(
+    logprobs_ptr, top_lp_ptr, top_tok_ptr, V, NUM_TOP,
+    BB: tl.constexpr, TILE_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (request * K + mode) * D + depth
+    row_ptr = logprobs_ptr + row * V
+    running = tl.full([BB], _MIN_KEY, tl.int64)
+    for start in range(0, V, TILE_V):
+        tokens = start + tl.arange(0, TILE_V)
+        # Clamped unmasked load: avoids a (bf16) `other` constant; lanes past V are dropped below.
+        lp = tl.load(row_ptr + tl.minimum(tokens, V - 1)).to(tl.float32)
+        keys = tl.where(tokens < V, _rank_key(lp, tokens), _MIN_KEY)
+        running = _merge_top(running, keys, TILE_V, BB)
+    slot = tl.arange(0, BB)
+    keep = slot < NUM_TOP
+    token = tl.where(keep, _key_index(running), 0)
+    # Reload the value rather than decode it, so a -0.0 logprob stays -0.0 like the reference's.
+    lp = tl.load(row_ptr + token).to(tl.float32)
+    tl.store(top_lp_ptr + row * NUM_TOP + slot, lp, mask=keep)
+    tl.store(top_tok_ptr + row * NUM_TOP + slot, token.to(tl.int64), mask=keep)
+
+
+@triton.jit
+def _beam_kernel(
+    top_lp_ptr, top_tok_ptr, beam_score_ptr, beam_tok_ptr, beam_parent_ptr,
+    K, D, B, NUM_TOP,
+    BB: tl.constexpr, NTB: tl.constexpr, SLOT_TILE: tl.constexpr,
+):
+    pid = tl.program_id(0)  # request * K + mode
+    request = pid // K
+    mode = pid % K
+    M = K * B  # entries per depth, flat index j = mode * B + slot
+    t = tl.arange(0, NTB)
+    t_ok = t < NUM_TOP
+    rank = tl.arange(0, BB)
+    for d in range(D):
+        row = (pid * D + d).to(tl.int64)
+        lp = tl.load(top_lp_ptr + row * NUM_TOP + t, mask=t_ok, other=0.0)
+        prev_ptr = beam_score_ptr + ((request * D + d - 1) * M + mode * B).to(tl.int64)
+        running = tl.full([BB], _MIN_KEY, tl.int64)
+        for s0 in range(0, B, SLOT_TILE):
+            slot = s0 + tl.arange(0, SLOT_TILE)
+            # Depth 0 is the root alone: slot 0 scores 0, the other slots hold nothing (-inf).
+            root = tl.where(slot == 0, 0.0, float("-inf"))
+            prev = tl.load(prev_ptr + slot, mask=(slot < B) & (d > 0), other=float("-inf"))
+            beam = tl.where(d > 0, prev, root)
+            candidate = beam[:, None] + lp[None, :]
+            flat = slot[:, None] * NUM_TOP + t[None, :]
+            ok = (slot[:, None] < B) & t_ok[None, :]
+            keys = tl.where(ok, _rank_key(candidate, flat), _MIN_KEY)
+            running = _merge_top(running, tl.reshape(keys, [SLOT_TILE * NTB]), SLOT_TILE * NTB, BB)
+        keep = rank < B  # B * NUM_TOP >= B real candidates, so these ranks are all real
+        flat = tl.where(keep, _key_index(running), 0)
+        token = tl.load(top_tok_ptr + row * NUM_TOP + flat % NUM_TOP, mask=keep, other=0)
+        out = ((request * D + d) * M + mode * B).to(tl.int64) + rank
+        tl.store(beam_score_ptr + out, _key_score(running), mask=keep)
+        tl.store(beam_tok_ptr + out, token, mask=keep)
+        tl.store(beam_parent_ptr + out, (mode * B + flat // NUM_TOP).to(tl.int64), mask=keep)
+        tl.debug_barrier()  # the next depth reads this depth's scores (other threads' stores)
+
+
+@triton.jit
+def _group_by_key(entry_key_ptr, score_ptr, keys, M, B, MB: tl.constexpr, JT: tl.constexpr):
+    """For each entry of one depth: the lowest index with an equal key, and the best
+    (score, lowest mode) over the entries with that key, as a rank key."""
+    canon = tl.full([MB], 2147483647, tl.int32)
+    best = tl.full([MB], _MIN_KEY, tl.int64)
+    for j0 in range(0, M, JT):
+        j = j0 + tl.arange(0, JT)
+        j_ok = j < M
+        other_key = tl.load(entry_key_ptr + j, mask=j_ok, other=0)
+        other_best = _rank_key(tl.load(score_ptr + j, mask=j_ok, other=0.0), j // B)
+        same = (keys[:, None] == other_key[None, :]) & j_ok[None, :]
+        canon = tl.minimum(canon, tl.min(tl.where(same, j[None, :], 2147483647), axis=1))
+        best = tl.maximum(best, tl.max(tl.where(same, other_best[None, :], _MIN_KEY), axis=1))
+    return canon, best
+
+
+@triton.jit
+def _merge_select_kernel(
+    beam_score_ptr, beam_tok_ptr, beam_parent_ptr,
+    entry_key_ptr, canon_ptr, merged_score_ptr, merged_mode_ptr, canon_parent_ptr, node_ptr,
+    out_tok_ptr, out_parent_ptr, out_depth_ptr, out_score_ptr, out_mode_ptr, out_valid_ptr,
+    K, D, B, V, budget,
+    MB: tl.constexpr, JT: tl.constexpr, BB: tl.constexpr, TILE_G: tl.constexpr,
+):
+    request = tl.program_id(0).to(tl.int64)
+    M = K * B
+    T = D * M  # global index g = depth0 * M + j, as the reference flattens [D, M]
+    req = request * T  # every per-entry buffer is [bs, D, M]
+    j = tl.arange(0, MB)
+    j_ok = j < M
+    # --- dedupe: merge the modes' entries holding the same prefix, depth by depth ---
+    for d in range(D):
+        at = req + d * M
+        token = tl.load(beam_tok_ptr + at + j, mask=j_ok, other=0)
+        parent = tl.load(beam_parent_ptr + at + j, mask=j_ok & (d > 0), other=0)
+        # Canonical parent: the canonical id (at depth d-1) of the beam parent; -1 is the root.
+        parent_canon = tl.load(canon_ptr + at - M + parent, mask=j_ok & (d > 0), other=-1)
+        key = parent_canon * V + token
+        tl.store(entry_key_ptr + at + j, key, mask=j_ok)
+        tl.debug_barrier()
+        canon, best = _group_by_key(entry_key_ptr + at, beam_score_ptr + at, key, M, B, MB, JT)
+        is_canon = canon == j
+        tl.store(canon_ptr + at + j, canon.to(tl.int64), mask=j_ok)
+        # Only the canonical entry keeps the prefix (best score, lowest mode at it); others -inf.
+        tl.store(merged_score_ptr + at + j,
+                 tl.where(is_canon, _key_score(best), float("-inf")), mask=j_ok)
+        tl.store(merged_mode_ptr + at + j,
+                 tl.where(is_canon, _key_index(best), K).to(tl.int64), mask=j_ok)
+        tl.store(canon_parent_ptr + at + j, parent_canon, mask=j_ok)
+        tl.store(node_ptr + at + j, tl.full([MB], -1, tl.int64), mask=j_ok)
+        tl.debug_barrier()
+    # --- selection: the global top-`budget` by (score desc, g asc) ---
+    running = tl.full([BB], _MIN_KEY, tl.int64)
+    for g0 in range(0, T, TILE_G):
+        g = g0 + tl.arange(0, TILE_G)
+        score = tl.load(merged_score_ptr + req + g, mask=g < T, other=float("-inf"))
+        running = _merge_top(running, tl.where(g < T, _rank_key(score, g), _MIN_KEY), TILE_G, BB)
+    rank = tl.arange(0, BB)
+    keep = rank < budget  # T >= budget, so these ranks are all real entries
+    g = tl.where(keep, _key_index(running), 0)
+    score = _key_score(running)
+    valid = score > float("-inf")
+    depth = g // M + 1
+    tl.store(node_ptr + req + g, rank.to(tl.int64), mask=keep)
+    tl.debug_barrier()
+    parent_entry = (depth - 2) * M + tl.load(canon_parent_ptr + req + g, mask=keep, other=0)
+    parent = tl.load(node_ptr + req + tl.maximum(parent_entry, 0), mask=keep, other=-1)
+    token = tl.load(beam_tok_ptr + req + g, mask=keep, other=0)
+    mode = tl.load(merged_mode_ptr + req + g, mask=keep, other=0)
+    out = request * budget + rank
+    tl.store(out_tok_ptr + out, tl.where(valid, token, 0), mask=keep)
+    tl.store(out_parent_ptr + out, tl.where(valid & (depth > 1), parent, -1), mask=keep)
+    tl.store(out_depth_ptr + out, tl.where(valid, depth, 1).to(tl.int64), mask=keep)
+    tl.store(out_score_ptr + out, score, mask=keep)
+    tl.store(out_mode_ptr + out, tl.where(valid, mode, 0), mask=keep)
+    tl.store(out_valid_ptr + out, valid, mask=keep)
+
+
+def _is_interpreted() -> bool:
+    # TRITON_INTERPRET is read when @triton.jit runs, i.e. when this module is imported.
+    return type(_vocab_topk_kernel).__name__ == "InterpretedFunction"
+
+
+def _pow2(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))  # >= 2: keeps every top-k a real merge
+
+
+def build_mixture_tree_triton(logprobs: torch.Tensor, budget: int) -> DraftTree:
+    """`mfd_sglang.tree.build_mixture_tree` on Triton; logprobs [K, D, V] or [bs, K, D, V] in
+    float32, float16 or bfloat16 (scores come out float32)."""
+    if logprobs.dim() == 3:
+        tree = build_mixture_tree_triton(logprobs[None], budget)
+        return DraftTree(**{name: value[0] for name, value in vars(tree).items()})
+    if logprobs.dim() != 4:
+        raise ValueError(f"logprobs must be [K, D, V] or [bs, K, D, V], not {logprobs.shape}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if logprobs.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"the Triton tree backend takes float32/16 or bfloat16, not {logprobs.dtype}")
+    if not logprobs.is_cuda and not _is_interpreted():
+        raise ValueError(
+            "the Triton tree backend needs a CUDA tensor or TRITON_INTERPRET=1 (set before triton "
+            f"is imported), got a tensor on {logprobs.device}"
+        )
+    bs, num_modes, depth, vocab = logprobs.shape
+    width = budget
+    num_top = min(width, vocab)
+    num_entries = num_modes * width  # M, entries per depth
+    if depth * num_entries >= 2**31 or vocab >= 2**31:
+        raise ValueError("too many tree entries for 32-bit indices")
+    logprobs = logprobs.contiguous()
+    dev = logprobs.device
+    bb, ntb, mb = _pow2(width), _pow2(num_top), _pow2(num_entries)
+    i64 = dict(dtype=torch.int64, device=dev)
+
+    top_lp = torch.empty(bs * num_modes * depth, num_top, dtype=torch.float32, device=dev)
+    top_tok = torch.empty(bs * num_modes * depth, num_top, **i64)
+    tile_v = max(bb, min(_pow2(vocab), 1024))
+    _vocab_topk_kernel[(bs * num_modes * depth,)](
+        logprobs, top_lp, top_tok, vocab, num_top, BB=bb, TILE_V=tile_v
+    )
+
+    entries = (bs, depth, num_entries)
+    beam_score = torch.empty(entries, dtype=torch.float32, device=dev)
+    beam_tok = torch.empty(entries, **i64)
+    beam_parent = torch.empty(entries, **i64)
+    slot_tile = min(bb * ntb, max(bb, _TILE)) // ntb  # slot_tile * ntb >= bb for the merge
+    _beam_kernel[(bs * num_modes,)](
+        top_lp, top_tok, beam_score, beam_tok, beam_parent,
+        num_modes, depth, width, num_top, BB=bb, NTB=ntb, SLOT_TILE=slot_tile,
+    )
+
+    scratch = [torch.empty(entries, **i64) for _ in range(5)]
+    entry_key, canon, merged_mode, canon_parent, node = scratch
+    merged_score = torch.empty(entries, dtype=torch.float32, device=dev)
+    tokens, parents, depths, modes = (torch.empty(bs, budget, **i64) for _ in range(4))
+    scores = torch.empty(bs, budget, dtype=torch.float32, device=dev)
+    valid = torch.empty(bs, budget, dtype=torch.bool, device=dev)
+    _merge_select_kernel[(bs,)](
+        beam_score, beam_tok, beam_parent,
+        entry_key, canon, merged_score, merged_mode, canon_parent, node,
+        tokens, parents, depths, scores, modes, valid,
+        num_modes, depth, width, vocab, budget,
+        MB=mb, JT=max(1, min(mb, _TILE // mb)), BB=bb,
+        TILE_G=max(bb, min(_pow2(depth * num_entries), _TILE)),
+    )
+    return DraftTree(
+        tokens=tokens, parents=parents, depths=depths, scores=scores, modes=modes, valid=valid
+    )
