@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from .checkpoint import CheckpointError
 
@@ -132,6 +133,119 @@ def _prompts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from . import evaluate
+    from .checkpoint import check_fits_target, load_drafter
+    from .drafter import MFDDrafter
+    from .hf import load_target
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    drafters = {}
+    for role, path in (("single", args.single), ("mfd", args.mfd)):
+        ckpt = load_drafter(path)
+        check_fits_target(ckpt, args.target)
+        drafters[role] = MFDDrafter.from_checkpoint(ckpt, dtype=dtype)
+    if drafters["single"].cfg.num_modes != 1:
+        print(f"note: --single has K = {drafters['single'].cfg.num_modes}; its default path is used as the single mode",
+              file=sys.stderr)
+    target = load_target(args.target, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompt_sets = {}
+    if args.prompts_file:
+        texts = json.loads(open(args.prompts_file).read())[: args.limit]
+        prompt_sets["prompts"] = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        from .prompts import load_prompts
+
+        for name in args.sets.split(","):
+            prompts = load_prompts(name, split="heldout", limit=args.limit)
+            prompt_sets[name] = [
+                list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"])
+                for p in prompts
+            ]
+    eos = {tokenizer.eos_token_id, *_as_list(target.config.eos_token_id)} - {None}
+    results = evaluate.evaluate(target, drafters["single"], drafters["mfd"], prompt_sets, args.budgets,
+                                args.max_new_tokens, eos, log=lambda *a: print(*a, file=sys.stderr))
+    print(evaluate.format_table(results, args.budgets))
+    if args.out:
+        evaluate.write_json(results, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv), args.budgets)
+        print(f"wrote {args.out}")
+    if args.plot:
+        evaluate.plot(results, args.budgets, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .prompts import PromptSourceMissing
+    from .train import DTYPES, STATE_DIR, TrainConfig, train
+    from .train_data import TINY_SET, regenerate, tiny_prompts, training_prompts
+
+    if args.data is None and not args.regenerate_sets:
+        print("error: give --data JSONL, --regenerate-sets SETS, or both (regenerate into --data)", file=sys.stderr)
+        return 2
+    data = Path(args.data) if args.data else Path(args.out) / STATE_DIR / "data.jsonl"
+    if args.regenerate_sets:
+        sets = [s.strip() for s in args.regenerate_sets.split(",") if s.strip()]
+        try:
+            if sets == [TINY_SET]:
+                prompts = tiny_prompts(Path(args.target).parent, count=args.limit or 64, seed=args.seed)
+            elif TINY_SET in sets:
+                print(f"error: --regenerate-sets {TINY_SET} cannot be mixed with other sets", file=sys.stderr)
+                return 2
+            else:
+                prompts = training_prompts(sets, limit=args.limit)
+        except PromptSourceMissing as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        added = regenerate(args.target, data, prompts, max_new_tokens=args.max_new_tokens,
+                           batch_size=args.gen_batch_size, chat_template=sets != [TINY_SET],
+                           dtype=DTYPES[args.dtype], progress=not args.quiet)
+        if not args.quiet:
+            print(f"[train] data {data}: {added} new responses ({len(prompts) - added} already there)", file=sys.stderr)
+    cfg = TrainConfig(
+        target=args.target, out=args.out, data=str(data), num_modes=args.num_modes, init_from=args.init_from,
+        steps=args.steps, batch_size=args.batch_size, anchors=args.anchors, block_size=args.block_size,
+        layers=args.layers, lr=args.lr, warmup=args.warmup, seed=args.seed, dtype=args.dtype,
+        draft_vocab_size=args.draft_vocab_size, save_every=args.save_every, loss=args.loss,
+        max_seq_len=args.max_seq_len,
+    )
+    try:
+        train(cfg, resume=args.resume, progress=not args.quiet,
+              log=(lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr)))
+    except (ValueError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(args.out)
+    return 0
+
+
+TRAIN_EPILOG = """\
+Recommended settings for SmolLM2-135M-Instruct on 2 CPU cores (about an hour in all; an ESTIMATE from
+operation counts, this recipe has not been run end to end):
+
+  T=$(python -m mfd_sglang prepare-target)
+  # 1. ~180 training prompts (60 per set), greedy answers of up to 192 tokens, then a single-mode
+  #    (DFlash) drafter: 1 layer, block 16, draft vocabulary 8192, 600 steps (~15 + ~25 min)
+  python -m mfd_sglang train --target $T --out runs/smollm2-dflash --regenerate-sets code,chat,math \\
+      --limit 60 --max-new-tokens 192 --steps 600 --batch-size 2 --anchors 32 --layers 1 \\
+      --draft-vocab-size 8192 --save-every 100
+  # 2. MFD with K = 4 modes around it (+ the MFD_D default path), 300 steps at lr 1e-4 (~20 min)
+  python -m mfd_sglang train --target $T --out runs/smollm2-mfd --init-from runs/smollm2-dflash \\
+      --data runs/smollm2-dflash/train_state/data.jsonl --num-modes 4 --steps 300 --batch-size 2 \\
+      --anchors 32 --save-every 50
+
+Both steps resume with --resume after an interruption (the data file too: done prompts are skipped).
+For the make-tiny pair: --target PAIR/target --regenerate-sets tiny (its prompts.json + corpus snippets).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mfd-sglang",
@@ -187,11 +301,79 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per set")
     p.add_argument("--json", action="store_true", help="print one JSON object (prompts and provenance)")
     p.set_defaults(func=_prompts)
+    p = sub.add_parser("eval", help="acceptance evaluation: chain vs DDTree vs MFD per budget (reference engine)",
+                       description="Greedy generation on held-out prompts with the DFlash chain and the DDTree "
+                                   "tree of a single-mode drafter and the MFD tree of a K-mode drafter, at every "
+                                   "budget: mean tau, speed-up over plain decoding (same run), chimera share of "
+                                   "the single-mode tree, covered mass, effective number of MFD modes.")
+    p.add_argument("--target", required=True, help="HF model directory of the target")
+    p.add_argument("--single", required=True, help="single-mode drafter (DFlash, or an MFD drafter's default path)")
+    p.add_argument("--mfd", required=True, help="MFD drafter (K modes)")
+    p.add_argument("--sets", default="code,chat,math", help="held-out prompt sets (chat template applied)")
+    p.add_argument("--prompts-file", help="JSON list of raw prompts instead of --sets (no chat template)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/acceptance-smollm2.json)")
+    p.add_argument("--plot", help="write a speed-up vs budget PNG here")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "train", help="train a DFlash (K = 1) or MFD (K modes) drafter on target-regenerated responses",
+        description="Regenerate training data with the target (greedy answers to the TRAINING split of the "
+                    "prompt sets, chat template applied; resumable JSONL), then train a drafter: random anchors, "
+                    "blocks [anchor token, MASK...] that see the target's hidden states strictly before the anchor, "
+                    "D-PACE loss, AdamW with warmup + cosine and grad clip 1.0, the target's embeddings and lm_head "
+                    "frozen. With --num-modes K > 1: K mode embeddings (winner-take-all by block coverage, with a "
+                    "floor for every mode) and the MFD_D default path (default_mode_embed) trained alongside. "
+                    "Writes OUT as a drafter checkpoint (config.json + model.safetensors) and OUT/train_state/ "
+                    "(resumable state, settings, per-step log).",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="HF model directory of the target (frozen)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the drafter directory to write (also OUT/train_state/)")
+    p.add_argument("--data", metavar="JSONL", default=None,
+                   help="training records {id, set, input_ids, response_ids}; with --regenerate-sets they are "
+                        "appended here (default OUT/train_state/data.jsonl)")
+    p.add_argument("--regenerate-sets", metavar="SETS", default=None,
+                   help="comma list of prompt sets (code,chat,math; training split only) whose greedy target answers "
+                        "are generated first, skipping prompts already in --data; 'tiny' = the make-tiny pair's "
+                        "prompts.json + corpus snippets next to --target (raw text, no chat template)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per set to regenerate (default all; tiny: 64 in all)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest regenerated response (default 256)")
+    p.add_argument("--gen-batch-size", type=int, default=8, help="prompts per batched generate call (default 8)")
+    p.add_argument("--num-modes", type=int, default=1,
+                   help="K: 1 trains a single-mode DFlash drafter; K > 1 an MFD drafter plus its default path (default 1)")
+    p.add_argument("--init-from", metavar="DRAFTER", default=None,
+                   help="start from this drafter's weights (block size, layers, target layers and draft vocabulary "
+                        "come from it); new mode embeddings are small random vectors around its default path")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps in total (default 1000)")
+    p.add_argument("--batch-size", type=int, default=2, help="training sequences per step, one target forward each (default 2)")
+    p.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence (default 32)")
+    p.add_argument("--block-size", type=int, default=None, help="block size: anchor token + block-1 drafted (default 16)")
+    p.add_argument("--layers", type=int, default=None, help="drafter layers when training from scratch (default 1)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 6e-4 from scratch, 1e-4 with --init-from)")
+    p.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of --steps, then cosine decay (default 0.04)")
+    p.add_argument("--seed", type=int, default=0, help="same seed and data, same drafter bit for bit (default 0)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/train_state/ (the same settings are required; continues bit-identically)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="target forward and drafter compute dtype (bfloat16: autocast, fp32 master weights; default float32)")
+    p.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                   help="draft over the N most frequent response tokens (labels outside it are ignored in the loss)")
+    p.add_argument("--save-every", type=int, default=100, help="write the drafter and the resumable state every N steps (default 100)")
+    p.add_argument("--loss", choices=["dpace", "decay"], default="dpace",
+                   help="dpace: D-PACE (alpha 0.5); decay: cross-entropy weighted exp(-(k-1)/7) (default dpace)")
+    p.add_argument("--max-seq-len", type=int, default=512, help="training sequences are cut to this many tokens (default 512)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # recorded in result files
     if getattr(args, "budget", 1) < 1:
         print(f"error: --budget must be >= 1, got {args.budget}", file=sys.stderr)
         return 2

@@ -227,7 +227,10 @@ class SpeculativeGenerator:
         return self.generate_batch([list(input_ids)], max_new_tokens, params=params, eos_token_ids=eos_token_ids)[0]
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams | None = None,
-                       eos_token_ids: Iterable[int] = ()) -> list[GenerationOutput]:
+                       eos_token_ids: Iterable[int] = (), on_round=None) -> list[GenerationOutput]:
+        """Generate for every prompt. `on_round(row, length, logprobs, tree, result)`, if given, sees each
+        active row's round before commit (length: the row's committed tokens, logprobs/tree/result: the
+        batched stage outputs), for evaluation."""
         params = params or SamplingParams()
         eos = set(eos_token_ids)
         start = time.perf_counter()
@@ -245,6 +248,8 @@ class SpeculativeGenerator:
                 if done[row]:
                     keep.append(0)
                     continue
+                if on_round is not None:
+                    on_round(row, int(state.lengths[row]), logprobs, tree, result)
                 emitted = [t for t in tokens if t >= 0][: max_new_tokens - len(outputs[row])]
                 hit = next((i for i, t in enumerate(emitted) if t in eos), None)
                 emitted = emitted if hit is None else emitted[: hit + 1]
@@ -260,6 +265,19 @@ class SpeculativeGenerator:
                              "eos" if out[-1] in eos else "length")
             for out, stats in zip(outputs, rounds)
         ]
+
+    @torch.inference_mode()
+    def autoregressive(self, input_ids: list[int], max_new_tokens: int, eos_token_ids: Iterable[int] = ()) -> list[int]:
+        """Plain greedy decoding of the target with a KV cache: the baseline speculation must equal."""
+        eos = set(eos_token_ids)
+        cache = DynamicCache(config=self.target.config)
+        ids = torch.tensor([list(input_ids)], device=self.device)
+        out: list[int] = []
+        while len(out) < max_new_tokens and not (out and out[-1] in eos):
+            token = int(self.target(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]], device=self.device)
+        return out
 
     def _timed(self, state: _State, stage: str, fn, *args):
         if self.device.type == "cuda":

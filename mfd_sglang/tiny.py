@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from .checkpoint import load_drafter, parse_drafter_config, save_drafter
 from .drafter import MFDDrafter, context_features
-from .train import cosine_lr, drafter_loss, sample_anchors
+from .train import cosine_lr, drafter_loss, optimizer_step, sample_anchors
 
 WORD_LISTS = [
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split(),
@@ -112,11 +112,7 @@ def train_target(model: Qwen3ForCausalLM, data: torch.Tensor, steps: int, genera
     for step in range(steps):
         rows = torch.randint(0, data.shape[0], (32,), generator=generator)
         loss = model(data[rows], labels=data[rows]).loss
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, 3e-3, steps // 10)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        optimizer_step(optimizer, loss, cosine_lr(step, steps, 3e-3, steps // 10))
         if step % 100 == 0 or step == steps - 1:
             log(f"  target step {step:4d}  loss {loss.item():.3f}")
     model.eval()
@@ -141,12 +137,7 @@ def train_drafter(drafter: MFDDrafter, target: Qwen3ForCausalLM, sequences: torc
         rows = torch.randint(0, sequences.shape[0], (16,), generator=generator)
         anchors = sample_anchors(generator, 16, 8, sequences.shape[1], BLOCK_SIZE)
         loss = drafter_loss(drafter, embed, lm_head, sequences[rows], features[rows], anchors)
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, 3e-3, steps // 10)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, loss, cosine_lr(step, steps, 3e-3, steps // 10), clip_params=drafter.parameters())
         if step % 100 == 0 or step == steps - 1:
             log(f"  drafter step {step:4d}  loss {loss.item():.3f}")
     drafter.eval()
