@@ -202,3 +202,29 @@ def test_sampling_matches_the_target_distribution(tiny_pair, target, tokenizer):
     cells.append((sum(expected[k] for k in small) * runs, sum(counts.get(k, 0) for k in small)))
     chi2 = sum((o - e) ** 2 / e for e, o in cells if e > 0)
     assert chi2 < _chi2_critical(len(cells) - 1), chi2
+
+
+def test_a_llama_target_is_served_exactly(tmp_path):
+    """Any Transformers causal LM: a small random Llama (SmolLM2's architecture) with a random K = 2 drafter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mfd_sglang.checkpoint import parse_drafter_config
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    target = load_target(tmp_path / "llama")
+    cfg = parse_drafter_config({
+        "hidden_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 12, "intermediate_size": 96, "vocab_size": 96, "block_size": 6,
+        "dflash_config": {"mask_token_id": 95, "target_layer_ids": [0, 2]}, "mfd_config": {"num_modes": 2},
+    })
+    drafter = MFDDrafter(cfg, context_features=2 * 48)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.2)
+    prompts = [[5, 17, 33, 2, 8], [40, 41]]
+    outs = SpeculativeGenerator(target, drafter.eval(), budget=8).generate_batch(prompts, 20)
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == target_greedy(target, ids, 20)
