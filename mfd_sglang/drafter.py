@@ -231,6 +231,13 @@ class MFDDrafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
 
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Inverse of to_target_ids: each target id's index in the (sorted) draft vocabulary, -1 if absent."""
+        if self.draft_vocab is None:
+            return target_ids
+        index = torch.searchsorted(self.draft_vocab, target_ids).clamp(max=self.draft_vocab.numel() - 1)
+        return torch.where(self.draft_vocab[index] == target_ids, index, -1)
+
 
 def _name_map(cfg: DrafterConfig) -> dict[str, str]:
     """checkpoint tensor name -> module parameter name, for names that differ."""

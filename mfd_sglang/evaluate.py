@@ -70,12 +70,14 @@ def node_paths(tree: DraftTree, row: int) -> torch.Tensor:
 
 
 def covered_mass(logprobs: torch.Tensor, paths: torch.Tensor, valid: torch.Tensor, to_draft_ids) -> float:
-    """Expected matched path tokens under the drafter's uniform mode mixture ([K, D, V] log-probs)."""
+    """Expected matched path tokens under the drafter's uniform mode mixture ([K, D, V] log-probs).
+
+    to_draft_ids maps target ids to the log-probs' vocabulary, -1 outside it (such a path has mass 0)."""
     mass = 0.0
     for path in paths[valid]:
         depth = int((path >= 0).sum())
         ids = to_draft_ids(path[:depth])
-        if ids is None:
+        if bool((ids < 0).any()):
             continue
         path_logprob = logprobs[:, torch.arange(depth), ids].sum(-1)  # [K]
         mass += float(path_logprob.exp().mean())
@@ -107,31 +109,14 @@ def mode_argmax_chains(engine: SpeculativeGenerator, sequence: list[int], length
     slots = torch.arange(width, device=device)[None].expand(n, -1)
     length = torch.tensor(lengths, device=device)[:, None]
     context = drafter.context_kv(features.expand(n, -1, -1), slots, slots < length)
-    block = drafter.cfg.block_size
-    tokens = torch.full((n, block), drafter.cfg.mask_token_id, device=device)
-    tokens[:, 0] = ids[0, length[:, 0]]
-    hidden = drafter(engine.embed_weight[tokens], length + torch.arange(block, device=device), context)
-    return drafter.to_target_ids(drafter.logprobs(hidden, engine.lm_head_weight).argmax(-1))
-
-
-def _draft_id_lookup(drafter: MFDDrafter, vocab_size: int):
-    if drafter.draft_vocab is None:
-        return lambda ids: ids
-    table = torch.full((vocab_size,), -1, dtype=torch.long, device=drafter.draft_vocab.device)
-    table[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel(), device=table.device)
-
-    def lookup(ids):
-        mapped = table[ids]
-        return None if bool((mapped < 0).any()) else mapped
-
-    return lookup
+    logprobs = engine.draft_blocks(ids[0, length[:, 0]], length[:, 0], context)
+    return drafter.to_target_ids(logprobs.argmax(-1))
 
 
 def run_method(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: int, eos: set[int],
                chimera_reference: SpeculativeGenerator | None = None) -> tuple[MethodStats, list[list[int]]]:
     """Generate every prompt (batch 1, timed) and gather the statistics."""
     stats = MethodStats()
-    lookup = _draft_id_lookup(engine.drafter, engine.lm_head_weight.shape[0])
     outputs = []
     for ids in prompts:
         rounds = []
@@ -141,7 +126,7 @@ def run_method(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: 
             valid = tree.valid[row]
             rounds.append((length, paths, valid))
             stats.valid_nodes += int(valid.sum())
-            stats.covered_mass += covered_mass(logprobs[row], paths, valid, lookup)
+            stats.covered_mass += covered_mass(logprobs[row], paths, valid, engine.drafter.to_draft_ids)
             local = result.accepted_local_indices[row]
             stats.accepted_modes.update(tree.modes[row, local[local >= 0] - 1].tolist())
 

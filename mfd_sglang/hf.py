@@ -156,11 +156,17 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def draft(self, state: _State) -> torch.Tensor:
         """Drafter log-probs [bs, K, D, Vd] for the block after each root."""
-        bs, block = state.roots.shape[0], self.drafter.cfg.block_size
+        return self.draft_blocks(state.roots, state.lengths, state.context, single_mode=self.single_mode)
+
+    @torch.inference_mode()
+    def draft_blocks(self, roots: torch.Tensor, lengths: torch.Tensor, context: DraftContext, *,
+                     single_mode: bool = False) -> torch.Tensor:
+        """Log-probs [bs, K, D, Vd] of blocks `[root, MASK...]` at positions lengths.. over the given context."""
+        bs, block = roots.shape[0], self.drafter.cfg.block_size
         tokens = torch.full((bs, block), self.drafter.cfg.mask_token_id, device=self.device)
-        tokens[:, 0] = state.roots
-        positions = state.lengths[:, None] + torch.arange(block, device=self.device)
-        hidden = self.drafter(self.embed_weight[tokens], positions, state.context, single_mode=self.single_mode)
+        tokens[:, 0] = roots
+        positions = lengths[:, None] + torch.arange(block, device=self.device)
+        hidden = self.drafter(self.embed_weight[tokens], positions, context, single_mode=single_mode)
         return self.drafter.logprobs(hidden, self.lm_head_weight)
 
     @torch.inference_mode()

@@ -135,13 +135,16 @@ def block_loss(drafter: MFDDrafter, embed_weight: torch.Tensor, lm_head_weight: 
     in_seq = None if lengths is None else positions[:, 1:] < lengths[rows][:, None]  # [n, D]
     valid = in_seq
     if drafter.draft_vocab is not None:
-        lookup = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=tokens.device)
-        lookup[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel(), device=tokens.device)
-        labels = lookup[labels]
+        labels = drafter.to_draft_ids(labels)
         in_vocab = labels >= 0
         valid = in_vocab if valid is None else valid & in_vocab
         labels = labels.clamp(min=0)
     embeds = embed_weight[block]
+
+    def label_probs(nll: torch.Tensor) -> torch.Tensor:
+        """The drafter's (detached) probability of each label [n, K, D], 0 where the label is ignored."""
+        q = torch.exp(-nll.detach())
+        return q if valid is None else q.masked_fill(~valid[:, None], 0.0)
 
     def weighted(nll: torch.Tensor) -> torch.Tensor:
         """Per-example, per-mode loss [n, K] from nll [n, K, D]."""
@@ -149,10 +152,7 @@ def block_loss(drafter: MFDDrafter, embed_weight: torch.Tensor, lm_head_weight: 
             nll = nll.masked_fill(~valid[:, None], 0.0)
         if loss == "decay":
             return (nll * position_weights(nll.shape[-1], tokens.device)).sum(-1)
-        q = torch.exp(-nll.detach())
-        if valid is not None:
-            q = q.masked_fill(~valid[:, None], 0.0)
-        w = dpace_weights(q, alpha, None if in_seq is None else in_seq[:, None])
+        w = dpace_weights(label_probs(nll), alpha, None if in_seq is None else in_seq[:, None])
         return (nll * w).sum(-1)
 
     hidden = drafter(embeds, positions, context)  # [n, K, D, H]
@@ -167,10 +167,7 @@ def block_loss(drafter: MFDDrafter, embed_weight: torch.Tensor, lm_head_weight: 
         if loss == "decay":
             weights = mode_weights(per_mode, winner_share, higher_is_better=False)
         else:
-            q = torch.exp(-nll.detach())
-            if valid is not None:
-                q = q.masked_fill(~valid[:, None], 0.0)
-            weights = mode_weights(chain_coverage(q), winner_share)
+            weights = mode_weights(chain_coverage(label_probs(nll)), winner_share)
         best = weights.argmax(-1)
         wins = torch.bincount(best, minlength=num_modes)
         mode_loss = (weights * per_mode).sum(-1).mean()
