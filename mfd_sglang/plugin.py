@@ -2,14 +2,21 @@
 
 SGLang calls `register()` once per process (launcher, scheduler, detokenizer) before it parses
 arguments, so what is registered here is known everywhere:
+  - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.algorithms`);
+  - their HookRegistry hooks: the drafter-path check before SGLang reads the drafter
+    (`mfd_sglang.patches.launch_checks`) and the per-request checks
+    (`mfd_sglang.patches.request_checks`);
   - the `mfd_cpu` attention backend (plain torch, for CPU-only machines; `mfd_sglang.cpu.attention`);
   - the CPU HookRegistry hooks, when `python -m mfd_sglang.cpu.launch_server` started the process
     tree (`MFD_SGLANG_CPU=1`); SGLang applies hooks per process, so they are registered again in
     every spawned child.
-The MFD / MFD_D speculative algorithms are not registered yet (the SGLang worker is not built).
+SGLang only logs an exception raised here, and the launch then fails later with "Unknown
+speculative algorithm name: MFD"; so a failure to register the algorithms is also printed on
+stderr with its cause.
 """
 
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -18,8 +25,19 @@ def register() -> None:
     from . import __version__
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
+    from .patches import launch_checks, request_checks
 
+    try:
+        from .serving.algorithms import register_algorithms
+
+        algorithms = register_algorithms()
+    except Exception as e:
+        print(f"[mfd_sglang] could not register the MFD / MFD_D speculative algorithms: "
+              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+    launch_checks.install()
+    request_checks.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()
-    logger.debug("mfd_sglang %s plugin: attention backend %r, CPU hooks %s", __version__, backend,
-                 "installed" if cpu_hooks else "not requested")
+    logger.debug("mfd_sglang %s plugin: algorithms %s, attention backend %r, CPU hooks %s", __version__,
+                 algorithms, backend, "installed" if cpu_hooks else "not requested")

@@ -32,6 +32,15 @@ def tiny_dflash_drafter(tiny_pair, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_target(tiny_pair):
+    """(the tiny target as an fp32 HF model, its tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_pair / "target")
+
+
+@pytest.fixture(scope="session")
 def tiny_prompts(tiny_pair) -> list[str]:
     return json.loads((tiny_pair / "prompts.json").read_text())
 

@@ -1,123 +1,50 @@
-"""Start and stop a real server process for tests.
-
-`ServerProcess(cmd, log_path).start()` picks nothing itself: pass the port in `cmd` (use
-`free_port()`); it starts the command in its own process group with stdout+stderr going to
-`log_path`, waits (generously) for `GET /health` to answer 200, and on failure or early exit raises
-with the tail of the log. `stop()` always kills the whole process group (SIGTERM, then SIGKILL) and
-waits for it. Use it as a context manager or call stop() from a fixture's teardown.
-"""
+"""Server helpers for tests: the package's ServerProcess, plus requests against an OpenAI-compatible
+SGLang server that return generated token ids."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
-
 import requests
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mfd_sglang.server_process import ServerProcess, free_port, log_tail  # noqa: F401 (re-exported)
 
 
-def log_tail(path: Path, n_chars: int = 6000) -> str:
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError as e:
-        return f"(no log: {e})"
-    return text[-n_chars:]
+# --- requests against an OpenAI-compatible SGLang server, returning generated token ids ---------
+def post_json(server: ServerProcess, path: str, payload: dict, timeout: float = 300) -> dict:
+    r = requests.post(server.base_url + path, json=payload, timeout=timeout)
+    assert r.status_code == 200, f"{path}: HTTP {r.status_code}: {r.text[:2000]}\n--- log ---\n{log_tail(server.log_path)}"
+    return r.json()
 
 
-class ServerProcess:
-    def __init__(self, cmd: list[str], log_path: Path, *, port: int, env: dict | None = None,
-                 cwd: str | Path | None = None, startup_timeout: float = 600.0):
-        self.cmd = [str(c) for c in cmd]
-        self.log_path = Path(log_path)
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.env = env
-        self.cwd = cwd
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log_file = None
+def generate_ids(server: ServerProcess, input_ids: list[int], max_new_tokens: int, **sampling) -> tuple[list[int], dict]:
+    """(output ids, meta_info) of /generate, greedy unless `sampling` says otherwise."""
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **sampling}
+    out = post_json(server, "/generate", {"input_ids": input_ids, "sampling_params": params})
+    return out.get("output_ids") or out["meta_info"].get("output_ids"), out["meta_info"]
 
-    def start(self) -> "ServerProcess":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.env, cwd=self.cwd, start_new_session=True,
-        )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            rc = self.proc.poll()
-            if rc is not None:
-                raise RuntimeError(
-                    f"server exited with code {rc} before answering /health\n"
-                    f"command: {' '.join(self.cmd)}\n--- log tail ({self.log_path}) ---\n{log_tail(self.log_path)}"
-                )
-            try:
-                # a server under load (or the Triton interpreter) can take seconds to answer
-                if requests.get(self.base_url + "/health", timeout=10).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(
-            f"server did not answer /health within {self.startup_timeout:.0f} s\n"
-            f"command: {' '.join(self.cmd)}\n--- log tail ({self.log_path}) ---\n{log_tail(self.log_path)}"
-        )
+def completion_ids(server: ServerProcess, input_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy /v1/completions on a token-id prompt; checks the usage count too."""
+    out = post_json(server, "/v1/completions", {
+        "model": "default", "prompt": input_ids, "max_tokens": max_new_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True,
+    })
+    assert out["usage"]["completion_tokens"] == max_new_tokens, out
+    return out["choices"][0].get("token_ids")
 
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is not None:
-            try:
-                pgid = os.getpgid(proc.pid)
-            except ProcessLookupError:
-                pgid = None
-            if pgid is not None:
-                for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 20)):
-                    try:
-                        os.killpg(pgid, sig)
-                    except ProcessLookupError:
-                        break
-                    try:
-                        proc.wait(timeout=wait_s)
-                    except subprocess.TimeoutExpired:
-                        continue
-                    # the leader is gone; make sure no child of the group survives
-                    try:
-                        os.killpg(pgid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    break
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            self.proc = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+def chat_ids(server: ServerProcess, messages: list[dict], max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(prompt ids after the server's chat template, response ids) of a greedy /v1/chat/completions."""
+    out = post_json(server, "/v1/chat/completions", {
+        "model": "default", "messages": messages, "max_tokens": max_new_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, "return_prompt_token_ids": True,
+    })
+    choice = out["choices"][0]
+    # 0.5.23 puts the ids of a chat choice in prompt_token_ids / response_token_ids
+    return choice.get("prompt_token_ids"), choice.get("response_token_ids", choice.get("token_ids"))
 
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

@@ -53,7 +53,7 @@ def test_generate_rejects_a_bad_budget_and_a_mismatched_pair(tiny_pair, tmp_path
     assert main(args + ["--budget", "0"]) == 2
     assert "--budget must be >= 1" in capsys.readouterr().err
     config = json.loads((tiny_pair / "target" / "config.json").read_text())
-    config["num_hidden_layers"] = 2
+    config["num_hidden_layers"] = 1  # below the drafter's target layer 1
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert main(["generate", "--target", str(tmp_path), "--drafter", str(tiny_pair / "drafter"),
                  "--prompt", "one", "--max-new-tokens", "4"]) == 2

@@ -11,23 +11,13 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
 from conftest import target_greedy
-from servers import ServerProcess, free_port, log_tail
+from servers import ServerProcess, chat_ids, chat_template_ids, completion_ids, free_port, generate_ids
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
 USER_MAX_TOTAL_TOKENS = 1536  # given on the command line: must win over the launcher's 8192
-
-
-@pytest.fixture(scope="module")
-def hf_target(tiny_pair):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_pair / "target")
-    return model, tok
 
 
 @pytest.fixture(scope="module", params=["torch_native", "launcher default"])
@@ -55,60 +45,31 @@ def server(request, tiny_pair, tmp_path_factory):
     srv.stop()
 
 
-def _post(server, path, payload, timeout=300):
-    r = requests.post(server.base_url + path, json=payload, timeout=timeout)
-    assert r.status_code == 200, f"{path}: HTTP {r.status_code}: {r.text[:2000]}\n--- log ---\n{log_tail(server.log_path)}"
-    return r.json()
-
-
-def _prompt_ids(tok, text):
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 def test_generate_matches_hf_greedy(server, hf_target, tiny_prompts):
     model, tok = hf_target
     for text in tiny_prompts[:3]:
-        ids = _prompt_ids(tok, text)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         want = target_greedy(model, ids, MAX_NEW)
-        out = _post(server, "/generate", {
-            "input_ids": ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
-        })
-        got = out.get("output_ids") or out["meta_info"].get("output_ids")
+        got, _ = generate_ids(server, ids, MAX_NEW)
         assert got == want, f"prompt {text!r}: server {got} != HF {want}"
 
 
 def test_completions_matches_hf_greedy(server, hf_target, tiny_prompts):
     model, tok = hf_target
-    text = tiny_prompts[-1]
-    ids = _prompt_ids(tok, text)
+    ids = tok(tiny_prompts[-1], add_special_tokens=False)["input_ids"]
     want = target_greedy(model, ids, MAX_NEW)
-    out = _post(server, "/v1/completions", {
-        "model": "default", "prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True,
-    })
-    choice = out["choices"][0]
-    assert choice.get("token_ids") == want, f"server {choice.get('token_ids')} != HF {want}; response {out}"
-    assert out["usage"]["completion_tokens"] == MAX_NEW
+    got = completion_ids(server, ids, MAX_NEW)
+    assert got == want, f"server {got} != HF {want}"
 
 
 def test_chat_completions_matches_hf_greedy(server, hf_target, tiny_prompts):
     model, tok = hf_target
     messages = [{"role": "user", "content": tiny_prompts[0]}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    ids = [int(i) for i in ids]
+    ids = chat_template_ids(tok, messages)
     want = target_greedy(model, ids, MAX_NEW)
-    out = _post(server, "/v1/chat/completions", {
-        "model": "default", "messages": messages, "max_tokens": MAX_NEW, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True, "return_prompt_token_ids": True,
-    })
-    choice = out["choices"][0]
-    # 0.5.23 puts the ids of a chat choice in prompt_token_ids / response_token_ids
-    assert choice.get("prompt_token_ids") == ids, f"server applied the chat template differently from HF: {out}"
-    got = choice.get("response_token_ids", choice.get("token_ids"))
-    assert got == want, f"server {got} != HF {want}; response {out}"
+    prompt_ids, got = chat_ids(server, messages, MAX_NEW)
+    assert prompt_ids == ids, f"server applied the chat template differently from HF: {prompt_ids} != {ids}"
+    assert got == want, f"server {got} != HF {want}"
 
 
 def test_launcher_cpu_defaults_and_user_flag_wins(server):

@@ -1,0 +1,141 @@
+"""Start and stop a real SGLang server process (used by the demo, the closed-loop benchmark and the tests).
+
+`ServerProcess(cmd, log_path, port=...).start()` starts the command in its own process group with
+stdout+stderr going to `log_path`, waits for `GET /health` to answer 200, and on failure or early exit
+raises with the tail of the log. `stop()` always kills the whole process group (SIGTERM, then SIGKILL)
+and waits for it, so no scheduler or detokenizer process outlives it. Use it as a context manager.
+`launch_command(...)` builds the command line for a target with or without an MFD drafter: SGLang's
+own launcher on a GPU machine, `mfd_sglang.cpu.launch_server` on a CPU-only one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, n_chars: int = 6000) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+    return text[-n_chars:]
+
+
+class ServerProcess:
+    def __init__(self, cmd: list[str], log_path: Path, *, port: int, env: dict | None = None,
+                 cwd: str | Path | None = None, startup_timeout: float = 600.0):
+        self.cmd = [str(c) for c in cmd]
+        self.log_path = Path(log_path)
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.env = env
+        self.cwd = cwd
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    def start(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.env, cwd=self.cwd, start_new_session=True,
+        )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise RuntimeError(
+                    f"server exited with code {rc} before answering /health\n"
+                    f"command: {' '.join(self.cmd)}\n--- log tail ({self.log_path}) ---\n{log_tail(self.log_path)}"
+                )
+            try:
+                # a server under load (or the Triton interpreter) can take seconds to answer
+                if requests.get(self.base_url + "/health", timeout=10).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(
+            f"server did not answer /health within {self.startup_timeout:.0f} s\n"
+            f"command: {' '.join(self.cmd)}\n--- log tail ({self.log_path}) ---\n{log_tail(self.log_path)}"
+        )
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is not None:
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                pgid = None
+            if pgid is not None:
+                for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 20)):
+                    try:
+                        os.killpg(pgid, sig)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(timeout=wait_s)
+                    except subprocess.TimeoutExpired:
+                        continue
+                    # the leader is gone; make sure no child of the group survives
+                    try:
+                        os.killpg(pgid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    break
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            self.proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_command(target, *, port: int, algorithm: str | None = None, drafter=None, budget: int | None = None,
+                   device: str = "cpu", dtype: str = "bfloat16", extra_args: list[str] = ()) -> list[str]:
+    """The server command line; `algorithm` None serves the target without speculation."""
+    import sys
+
+    module = "mfd_sglang.cpu.launch_server" if device == "cpu" else "sglang.launch_server"
+    cmd = [sys.executable, "-m", module, "--model-path", str(target), "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port)]
+    if algorithm is not None:
+        cmd += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(drafter)]
+        if budget is not None:
+            cmd += ["--speculative-num-draft-tokens", str(budget + 1)]
+        if device != "cpu":
+            cmd += ["--cuda-graph-backend-decode=disabled"]
+    return cmd + list(extra_args)

@@ -1,0 +1,8 @@
+"""MFD and MFD_D inside a real SGLang 0.5.23 server.
+
+- ``algorithms``: the two speculative algorithms (spec classes, launch-time checks, server-argument
+  resolution) registered through SGLang's plugin registry by ``mfd_sglang.plugin.register``;
+- ``options``: the plugin options that SGLang has no flag for (environment variables);
+- ``draft_context_pool``: the drafter's context keys/values, indexed by the target's KV slot ids;
+- ``worker``: ``MFDWorkerV2``, the spec-V2 worker (prefill, then draft / tree / verify / commit).
+"""

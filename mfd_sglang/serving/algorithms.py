@@ -1,0 +1,204 @@
+"""The MFD and MFD_D speculative algorithms, registered in SGLang 0.5.23's plugin registry.
+
+`SpeculativeAlgorithm.register(name, spec_class=..., validate_server_args=...)` (see
+`sglang/srt/speculative/spec_registry.py`) decorates a factory that returns the worker class. The
+spec class answers the capability questions the 0.5.23 core asks every algorithm:
+
+- `is_dflash_family()` True: the target captures the hidden states of the drafter's
+  `target_layer_ids` (`spec_aux_hidden_state._resolve_dflash_aux_hidden_state`), the decode batch
+  reserves its verify slots through the draft input's `prepare_for_decode`, and requests pass
+  through `validate_dflash_request` (extended by `mfd_sglang.patches.request_checks`).
+  `is_dflash()` stays False: the stock DFlash worker and its launch hook are not ours.
+- `--speculative-num-draft-tokens` is the verify width N = B + 1 (root included), so KV reservation,
+  logits buffers and CUDA-graph widths are sized by it.
+
+Launch-time checks (`validate_server_args`, run in the launcher before any process starts) load the
+drafter and compare it with the target, so a wrong drafter fails at launch with a message that
+names the field, not in the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ALGORITHMS = ("MFD", "MFD_D")
+
+
+def _spec_class():
+    """The CustomSpecAlgo subclass (built lazily: sglang is imported only inside SGLang processes)."""
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    class MFDSpecAlgo(CustomSpecAlgo):
+        """MFD / MFD_D: a one-pass block drafter, a mixture tree, one tree verify per round."""
+
+        @property
+        def single_mode_switch(self) -> bool:
+            return self.name == "MFD_D"
+
+        def is_dflash_family(self) -> bool:
+            return True
+
+        def supports_target_verify_for_draft(self) -> bool:
+            return True
+
+        def supports_prefill_shared_read_done(self) -> bool:
+            # The worker consumes the prefill's hidden states inside the same call.
+            return True
+
+        def has_draft_kv(self) -> bool:
+            return True
+
+        def carries_draft_hidden_states(self) -> bool:
+            return False
+
+        def need_topk(self) -> bool:
+            return False
+
+        def get_platform_worker_cls(self):
+            return None
+
+        def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
+            return None
+
+        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
+                              needs_confidence_relay=False):
+            from sglang.srt.managers.overlap_utils import FutureMap
+
+            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+        def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
+            return num_draft_tokens
+
+        def handle_server_args(self, server_args) -> None:
+            resolve_server_args(server_args)
+
+    return MFDSpecAlgo
+
+
+def resolve_server_args(server_args) -> None:
+    """Fill the SGLang fields MFD implies (called on SGLang's recording stand-in at launch)."""
+    from .options import default_num_draft_tokens
+
+    if server_args.speculative_num_draft_tokens is None:
+        server_args.speculative_num_draft_tokens = default_num_draft_tokens(server_args.device)
+    # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1.
+    server_args.speculative_num_steps = 1
+    server_args.speculative_eagle_topk = 1
+    server_args.enable_mixed_chunk = False
+    if str(server_args.device) == "cpu":
+        # Overlap scheduling needs a second device stream; SGLang disables it for every
+        # speculative algorithm on CPU.
+        server_args.disable_overlap_schedule = True
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = 48
+    if not server_args.disable_cuda_graph:
+        # SGLang's decode graph runner builds a DFlash verify input WITHOUT the tree mask for
+        # DFlash-family algorithms; replaying it for a tree verify would be silently wrong. MFD's
+        # own graph capture is not built yet, so the target runs eagerly.
+        logger.warning("MFD: CUDA graphs are disabled (the tree-verify graph is not built yet).")
+        server_args.disable_cuda_graph = True
+
+
+def _unsupported(server_args) -> list[str]:
+    problems = []
+    if int(server_args.page_size or 1) > 1:
+        problems.append(f"--page-size {server_args.page_size}: MFD needs page size 1 (drop the flag)")
+    if int(server_args.pp_size or 1) > 1:
+        problems.append(f"--pp-size {server_args.pp_size}: pipeline parallelism is not supported")
+    if int(server_args.tp_size or 1) > 1:
+        problems.append(f"--tp-size {server_args.tp_size}: tensor parallelism is not supported yet "
+                        "(the drafter runs unsharded on one device)")
+    if int(getattr(server_args, "dp_size", 1) or 1) > 1 or getattr(server_args, "enable_dp_attention", False):
+        problems.append("data parallelism / --enable-dp-attention is not supported")
+    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
+        problems.append(f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation "
+                        "is not supported")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        problems.append("--enable-hierarchical-cache (HiCache) is not supported")
+    if getattr(server_args, "speculative_draft_window_size", None) is not None:
+        problems.append("--speculative-draft-window-size is not supported")
+    if getattr(server_args, "speculative_adaptive", False):
+        problems.append("--speculative-adaptive is not supported")
+    return problems
+
+
+def validate_server_args(server_args) -> None:
+    """Reject, at launch, every configuration MFD cannot serve; each message names the fix."""
+    from mfd_sglang.checkpoint import CheckpointError, check_fits_target, load_drafter
+
+    from .options import budget_from_num_draft_tokens, read_options
+
+    algo = str(server_args.speculative_algorithm).upper()
+    problems = _unsupported(server_args)
+    if problems:
+        raise ValueError(f"--speculative-algorithm {algo}: unsupported configuration: "
+                         + "; ".join(problems) + ".")
+    options = read_options()
+    if server_args.speculative_num_draft_tokens is not None:
+        budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
+
+    path = server_args.speculative_draft_model_path
+    check_drafter_path(algo, path)
+    try:
+        ckpt = load_drafter(path)
+        check_fits_target(ckpt, server_args.model_path)
+        check_capturable_layers(ckpt, server_args.model_path)
+    except CheckpointError as e:
+        raise ValueError(f"--speculative-draft-model-path {path} does not fit --model-path "
+                         f"{server_args.model_path}: {e}") from None
+    if options.num_modes is not None and options.num_modes > ckpt.config.num_modes:
+        raise ValueError(f"MFD_SGLANG_NUM_MODES={options.num_modes} but the drafter at {path} has "
+                         f"{ckpt.config.num_modes} mode(s); set at most {ckpt.config.num_modes} or unset it.")
+
+
+def check_drafter_path(algo: str, path) -> None:
+    """ValueError unless `path` is a local drafter directory (SGLang reads its config.json before
+    any algorithm-specific check, see `mfd_sglang.patches.launch_checks`)."""
+    if not path:
+        raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path DIR: a "
+                         "DFlash or MFD drafter directory (config.json + safetensors) trained for "
+                         "this target.")
+    if not Path(path).is_dir():
+        raise ValueError(f"--speculative-draft-model-path {path}: no such directory. MFD loads drafters "
+                         "from a local directory (config.json + *.safetensors); download or convert "
+                         "the drafter first.")
+
+
+def check_capturable_layers(ckpt, target) -> None:
+    """SGLang captures a target layer's output as the input of the next layer, so the last layer's
+    output (which HF reports after the final norm) cannot feed the drafter."""
+    from mfd_sglang.checkpoint import _err, _target_text_config
+
+    num_layers = _target_text_config(target).get("num_hidden_layers")
+    bad = [i for i in ckpt.config.target_layer_ids if i >= num_layers - 1]
+    if bad:
+        raise _err("dflash_config.target_layer_ids", list(ckpt.config.target_layer_ids),
+                   f"layer indices below {num_layers - 1} (the target's last layer cannot be captured "
+                   f"in SGLang; offending: {bad})", "Train the drafter on earlier target layers.")
+
+
+def _worker_factory(server_args):
+    # Imported here so that an error in the worker module surfaces at launch with its own
+    # traceback instead of hiding behind "Unknown speculative algorithm".
+    from .worker import MFDWorkerV2
+
+    return MFDWorkerV2
+
+
+def register_algorithms() -> tuple[str, ...]:
+    """Register MFD and MFD_D (idempotent per process). Returns the names registered now."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec as registered_spec
+
+    spec_class = _spec_class()
+    added = []
+    for name in ALGORITHMS:
+        if registered_spec(name) is not None:
+            continue
+        SpeculativeAlgorithm.register(name, supports_overlap=True, validate_server_args=validate_server_args,
+                                      spec_class=spec_class)(_worker_factory)
+        added.append(name)
+    return tuple(added)

@@ -1,0 +1,257 @@
+"""MFDWorkerV2: MFD / MFD_D as an SGLang 0.5.23 spec-V2 worker.
+
+Prefill: the target runs the prompt (capturing the hidden states of the drafter's target layers,
+SGLang's DFlash-family capture) and the drafter's context K/V of every prompt token goes into the
+`DraftContextPool` at the token's KV slot.
+
+Each decode round, with no host sync on a device:
+  draft   the drafter fills a block `[last token, MASK...]` for its K modes in one forward over the
+          committed context (MFD_D: the single-mode path while >= threshold requests run);
+  tree    `build_mixture_tree` keeps the B best prefixes over all modes (Triton kernel on CUDA);
+  verify  the root and the B nodes go through SGLang's tree-verify forward
+          (`eagle_prepare_for_verify`: FULL_MASK custom mask, TARGET_VERIFY, full vocabulary), then
+          `verify_tree_greedy` / `verify_tree_sampling` (one target sample per node: lossless at
+          any temperature, with top-k / top-p) pick the longest agreed path and the bonus token;
+  commit  SGLang's `move_accept_tokens_to_target_kvcache` moves the path's target KV to the front
+          of the verify window and the drafter context K/V of the committed tokens is written.
+The result goes back in SGLang's `GenerationBatchResult` with one row of N = B + 1 output tokens
+per request (accepted draft tokens, then the bonus).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.runtime_context import get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+from sglang.srt.speculative.eagle_info import EagleVerifyInput
+from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
+from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+
+from mfd_sglang.checkpoint import load_drafter
+from mfd_sglang.drafter import MFDDrafter
+from mfd_sglang.tree import DraftTree, build_mixture_tree
+from mfd_sglang.tree_layout import full_custom_mask, tree_to_verify_layout
+from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy, verify_tree_sampling
+
+from .draft_context_pool import DraftContextPool
+from .options import budget_from_num_draft_tokens, read_options
+
+logger = logging.getLogger(__name__)
+
+
+class MFDWorkerV2(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self.gpu_id = gpu_id
+        self._target_worker = target_worker
+        self._draft_worker = None  # the drafter runs in this worker, not in a second TpModelWorker
+        self.model_runner = target_worker.model_runner
+        self.device = target_worker.device
+
+        spec = get_spec()
+        algorithm = self.model_runner.spec_algorithm
+        # Names the SGLang infrastructure reads from every spec worker.
+        self.speculative_num_draft_tokens = int(spec.speculative_num_draft_tokens)
+        self.speculative_num_steps = 1
+        self.topk = 1
+        self.budget = budget_from_num_draft_tokens(self.speculative_num_draft_tokens)
+
+        options = read_options()
+        ckpt = load_drafter(spec.speculative_draft_model_path)
+        self.drafter = MFDDrafter.from_checkpoint(ckpt, dtype=self.model_runner.model_config.dtype).to(self.device)
+        if options.num_modes is not None:
+            self.drafter.mode_embed.data = self.drafter.mode_embed.data[: options.num_modes]
+        self.switch_threshold = options.switch_threshold if algorithm.name == "MFD_D" else None
+        self.single_mode = False  # MFD_D's current path, logged when it switches
+        self.tree_backend = "triton" if str(self.device).startswith("cuda") else "torch"
+
+        target = self.model_runner.model
+        vocab = self.model_runner.model_config.vocab_size
+        # The drafter borrows the target's embeddings and head (rows past the vocabulary are padding).
+        self.embed_weight = target.get_input_embeddings().weight[:vocab]
+        self.lm_head_weight = target.lm_head.weight[:vocab]
+        self.context_pool: DraftContextPool | None = None
+        cfg = self.drafter.cfg
+        logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d), tree budget %d, "
+                    "single-mode switch at %s running requests, tree backend %s", algorithm.name,
+                    spec.speculative_draft_model_path, cfg.num_hidden_layers, self.drafter.mode_embed.shape[0],
+                    cfg.block_size, self.budget, self.switch_threshold or "never", self.tree_backend)
+
+    # --- SGLang lifecycle ---------------------------------------------------------------------
+    def __getattr__(self, name):
+        # Scheduler-facing methods this wrapper does not define belong to the target worker.
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    @property
+    def draft_worker(self):
+        return None
+
+    def init_attention_backends(self):
+        # Called once the target's KV pool exists: the drafter context pool mirrors its slots.
+        kv_pool = self.model_runner.token_to_kv_pool
+        num_slots = kv_pool.size + kv_pool.page_size
+        self.context_pool = DraftContextPool(self.drafter, num_slots, device=self.device,
+                                             dtype=self.model_runner.model_config.dtype)
+
+    def init_cuda_graphs(self):
+        return None
+
+    def clear_cache_pool(self):
+        pass
+
+    # --- one forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        if batch.forward_mode.is_idle():
+            raise RuntimeError("MFD does not support idle batches (data-parallel attention is rejected at launch).")
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self.forward_prefill(batch, on_publish)
+        return self.forward_decode(batch, on_publish)
+
+    def forward_prefill(self, batch, on_publish):
+        result = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        hidden = result.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("MFD prefill got no target hidden states: the target model must support "
+                               "DFlash layer capture (set_dflash_layers_to_capture).")
+        device = hidden.device
+        extend_lens = torch.tensor(batch.extend_lens, device=device)
+        prefix_lens = torch.tensor(batch.prefix_lens, device=device)
+        starts = torch.repeat_interleave(prefix_lens - (extend_lens.cumsum(0) - extend_lens), extend_lens)
+        positions = starts + torch.arange(hidden.shape[0], device=device)
+        self.context_pool.write(self.drafter, hidden, positions, batch.out_cache_loc)
+        result.logits_output.hidden_states = None  # keep it off the result's CPU copy
+        result.new_seq_lens = batch.seq_lens
+        result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids,
+                                                      new_seq_lens=batch.seq_lens)
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    def forward_decode(self, batch, on_publish):
+        draft_input = batch.spec_info
+        seq_lens = batch.seq_lens
+        roots = draft_input.bonus_tokens.reshape(-1).long()
+        single_mode = self.switch_threshold is not None and len(batch.reqs) >= self.switch_threshold
+        if single_mode != self.single_mode:
+            self.single_mode = single_mode
+            logger.info("MFD_D: %d running requests, switching to the %s path", len(batch.reqs),
+                        "single-mode" if single_mode else f"{self.drafter.mode_embed.shape[0]}-mode")
+
+        logprobs = self.draft(batch, roots, seq_lens, single_mode)
+        tree = self.build_tree(logprobs)
+        verify_batch, forward_batch, output = self.verify(batch, tree, roots, seq_lens)
+        result = self.accept(tree, output.logits_output.next_token_logits, batch.sampling_info, seq_lens.shape[0])
+        self.commit(verify_batch, result, output.logits_output.hidden_states, seq_lens)
+        output.logits_output.hidden_states = None
+
+        accept_lens = result.accept_lens.to(torch.int32)
+        new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=output.logits_output,
+            next_token_ids=result.accepted_tokens.clamp(min=0).reshape(-1),
+            accept_lens=accept_lens,
+            next_draft_input=make_draft_input_v2(bonus_tokens=result.bonus_tokens, new_seq_lens=new_seq_lens),
+            can_run_cuda_graph=output.can_run_cuda_graph,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            new_seq_lens=new_seq_lens,
+            routed_experts_output=output.routed_experts_output,
+            indexer_topk_output=output.indexer_topk_output,
+            extra_keep_alive_refs=[forward_batch],
+        )
+
+    # --- the stages of a round ------------------------------------------------------------------
+    def draft(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor, single_mode: bool) -> torch.Tensor:
+        """Drafter log-probs [bs, K, D, Vd] of the blocks `[root, MASK...]` at positions seq_lens.."""
+        # Host-side bound on the context length: the reserved KV lengths (>= committed lengths).
+        reserved = batch.spec_info.nxt_kv_lens_cpu
+        width = int(reserved.max()) if reserved is not None else int(batch.seq_lens_cpu.max())
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
+        context = self.context_pool.gather(slots, seq_lens)
+        block = self.drafter.cfg.block_size
+        tokens = torch.full((roots.shape[0], block), self.drafter.cfg.mask_token_id, device=roots.device)
+        tokens[:, 0] = roots
+        positions = seq_lens[:, None].long() + torch.arange(block, device=roots.device)
+        hidden = self.drafter(self.embed_weight[tokens], positions, context, single_mode=single_mode)
+        return self.drafter.logprobs(hidden, self.lm_head_weight)
+
+    def build_tree(self, logprobs: torch.Tensor) -> DraftTree:
+        tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)
+        tree.tokens = self.drafter.to_target_ids(tree.tokens)
+        return tree
+
+    def verify(self, batch, tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor):
+        """One target forward over [root, B nodes] per request through SGLang's tree-verify path."""
+        bs, num_nodes = seq_lens.shape[0], self.speculative_num_draft_tokens
+        layout = tree_to_verify_layout(tree, roots, seq_lens)
+        # Any upper bound on sum(seq_lens) sizes the flat mask; the cells are placed from seq_lens.
+        reserved = batch.spec_info.nxt_kv_lens_cpu
+        lens_sum = int(reserved.sum()) if reserved is not None else int(batch.seq_lens_sum)
+        custom_mask = full_custom_mask(layout.ancestor_mask, seq_lens,
+                                       num_nodes * lens_sum + bs * num_nodes * num_nodes)
+        verify_input = EagleVerifyInput(
+            draft_token=layout.draft_token,
+            custom_mask=custom_mask,
+            positions=layout.positions,
+            retrieve_index=layout.retrive_index,
+            retrieve_next_token=layout.retrive_next_token,
+            retrieve_next_sibling=layout.retrive_next_sibling,
+            retrieve_cum_len=None,
+            spec_steps=self.drafter.num_draft_positions,
+            topk=1,
+            draft_token_num=num_nodes,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            seq_lens_sum=None,
+            seq_lens_cpu=None,
+        )
+        verify_batch = copy.copy(batch)
+        verify_batch.spec_info = verify_input
+        forward_batch, graph = eagle_prepare_for_verify(verify_input, self.model_runner.req_to_token_pool,
+                                                        verify_batch, self.target_worker)
+        if graph:
+            # SGLang's decode graphs for DFlash-family algorithms carry no tree mask.
+            raise RuntimeError("MFD tree verify would replay a CUDA graph captured without the tree mask. "
+                               "Start the server with --cuda-graph-backend-decode=disabled.")
+        output = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
+                                                             is_verify=True)
+        return verify_batch, forward_batch, output
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor, sampling_info, bs: int) -> TreeVerifyResult:
+        logits = logits.view(bs, self.speculative_num_draft_tokens, -1).float()
+        if sampling_info.is_all_greedy:
+            return verify_tree_greedy(tree, logits)
+        # Greedy requests in a mixed batch carry top_k = 1, which makes their sample the argmax.
+        return verify_tree_sampling(tree, logits, sampling_info.temperatures.reshape(-1).float(),
+                                    sampling_info.top_ks.reshape(-1), sampling_info.top_ps.reshape(-1).float())
+
+    def commit(self, verify_batch, result: TreeVerifyResult, target_hidden: torch.Tensor,
+               seq_lens: torch.Tensor) -> None:
+        """Target KV of the accepted path to the front of the verify window; drafter context K/V of
+        the committed tokens (root + accepted nodes) into their slots."""
+        bs, num_nodes = seq_lens.shape[0], self.speculative_num_draft_tokens
+        width = min(self.drafter.cfg.block_size, num_nodes)  # root + the longest possible path
+        base = torch.arange(bs, device=seq_lens.device)[:, None] * num_nodes
+        path = result.accepted_local_indices[:, : width - 1]
+        accept_index = torch.cat([base, torch.where(path >= 0, base + path, -1)], dim=1)
+        allocator = self.model_runner.token_to_kv_pool_allocator
+        move_accept_tokens_to_target_kvcache(verify_batch, accept_index, result.accept_lens - 1, allocator)
+
+        # Rows past a request's accepted length land in slots it has reserved but not committed;
+        # the round that commits those positions overwrites them.
+        hidden = target_hidden[accept_index.clamp(min=0).reshape(-1)]
+        positions = (seq_lens[:, None].long() + torch.arange(width, device=seq_lens.device)).reshape(-1)
+        slots = verify_batch.out_cache_loc.view(bs, num_nodes)[:, :width].reshape(-1)
+        self.context_pool.write(self.drafter, hidden, positions, slots)

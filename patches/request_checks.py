@@ -1,0 +1,69 @@
+"""Refuse, per request, the features the MFD worker does not implement (SGLang 0.5.23).
+
+Wraps ``sglang.srt.speculative.dflash_utils.validate_dflash_request`` (AROUND). The scheduler calls
+it for every new request of a DFlash-family algorithm (``Scheduler.handle_generate_request``) and,
+when it returns a message, finishes that request with the message as a 400 error instead of
+scheduling it. MFD is DFlash-family (see ``mfd_sglang.serving.algorithms``), so this is the one
+place where an unsupported request can be refused before it reaches the worker: the worker's
+verification applies temperature / top-k / top-p only, and a feature that changes the target's
+distribution (penalties, logit bias, grammars, min-p) would otherwise be ignored silently.
+The wrapper only adds checks when the server runs MFD or MFD_D; other algorithms see the original.
+HookRegistry rebinds the scheduler's by-name import. Re-check the call site on SGLang upgrades.
+"""
+
+from __future__ import annotations
+
+SGLANG_VERSION = "0.5.23"
+VALIDATE_DFLASH_REQUEST = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
+
+_installed = False
+
+
+def unsupported_request_features(req) -> list[str]:
+    """The names of the features `req` asks for that MFD does not support (empty when none)."""
+    params = req.sampling_params
+    checks = [
+        ("return_logprob", bool(getattr(req, "return_logprob", False))),
+        ("return_hidden_states", bool(getattr(req, "return_hidden_states", False))),
+        ("min_p", (params.min_p or 0.0) > 0.0),
+        ("frequency_penalty", (params.frequency_penalty or 0.0) != 0.0),
+        ("presence_penalty", (params.presence_penalty or 0.0) != 0.0),
+        ("repetition_penalty", (params.repetition_penalty or 1.0) != 1.0),
+        ("min_new_tokens", (params.min_new_tokens or 0) > 0),
+        ("logit_bias", bool(getattr(params, "logit_bias", None))),
+        ("json_schema / regex / ebnf / structural_tag (constrained decoding)",
+         any(getattr(params, name, None) for name in ("json_schema", "regex", "ebnf", "structural_tag"))),
+        ("custom_logit_processor", bool(getattr(req, "custom_logit_processor", None))),
+        ("lora_path", getattr(req, "lora_id", None) is not None),
+    ]
+    return [name for name, used in checks if used]
+
+
+def _running_mfd() -> bool:
+    from sglang.srt.runtime_context import get_spec
+
+    return str(get_spec().speculative_algorithm or "").upper() in ("MFD", "MFD_D")
+
+
+def validate_request_around(original, req, *args, **kwargs):
+    """AROUND hook: the original's verdict, then MFD's own."""
+    message = original(req, *args, **kwargs)
+    if message is not None or not _running_mfd():
+        return message
+    unsupported = unsupported_request_features(req)
+    if unsupported:
+        return ("MFD speculative decoding does not support " + ", ".join(unsupported)
+                + " in a request. Remove it from the request, or serve this model without "
+                  "--speculative-algorithm MFD for such requests.")
+    return None
+
+
+def install() -> None:
+    """Register the hook (idempotent per process); SGLang's load_plugins() applies it."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(VALIDATE_DFLASH_REQUEST, validate_request_around, HookType.AROUND)
+    _installed = True
