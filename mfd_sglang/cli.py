@@ -25,7 +25,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from .hf import STAGES, SamplingParams, SpeculativeGenerator
+    from .hf import STAGES, SamplingParams, SpeculativeGenerator, eos_token_ids
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     engine = SpeculativeGenerator.from_paths(
@@ -36,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
     input_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not input_ids:
         raise SystemExit("error: --prompt encodes to no tokens; give some text")
-    eos = {tokenizer.eos_token_id, *_as_list(engine.target.config.eos_token_id)} - {None}
+    eos = eos_token_ids(tokenizer, engine.target.config)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     start = time.perf_counter()
     out = engine.generate(input_ids, args.max_new_tokens, params=params, eos_token_ids=eos)
@@ -66,12 +66,6 @@ def _generate(args: argparse.Namespace) -> int:
     stages = "  ".join(f"{s} {1000 * out.stage_seconds.get(s, 0.0):.1f} ms" for s in STAGES)
     print(f"prefill {1000 * out.prefill_seconds:.1f} ms  {stages}")
     return 0
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -107,6 +101,28 @@ def _prepare_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DEFAULT_DRAFTER, run_demo
+    from .smollm2 import SmolLM2NotInstalled, prepare_target
+
+    drafter = Path(args.drafter or DEFAULT_DRAFTER)
+    if not (drafter / "config.json").is_file():
+        print(f"error: no drafter at {drafter} (config.json missing); pass --drafter DIR", file=sys.stderr)
+        return 2
+    if args.target:
+        target = Path(args.target)
+    else:
+        print("[demo] preparing the SmolLM2-135M-Instruct target (converted once, then cached) ...", flush=True)
+        try:
+            target = prepare_target(progress=True).path
+        except SmolLM2NotInstalled as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    run_demo(target, drafter, max_tokens=args.max_tokens, budget=args.budget, dtype=args.dtype,
+             say=lambda text: print(text, flush=True))
+    return 0
+
+
 def _prompts(args: argparse.Namespace) -> int:
     from .prompts import PROVENANCE, SETS, PromptSourceMissing, load_prompts
 
@@ -135,39 +151,15 @@ def _prompts(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
-
     from . import evaluate
-    from .checkpoint import check_fits_target, load_drafter
-    from .drafter import MFDDrafter
-    from .hf import load_target
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    drafters = {}
-    for role, path in (("single", args.single), ("mfd", args.mfd)):
-        ckpt = load_drafter(path)
-        check_fits_target(ckpt, args.target)
-        drafters[role] = MFDDrafter.from_checkpoint(ckpt, dtype=dtype)
+    target, drafters, prompt_sets, eos = evaluate.load_inputs(
+        args.target, args.single, args.mfd, dtype, sets=args.sets.split(","), limit=args.limit,
+        prompts_file=args.prompts_file)
     if drafters["single"].cfg.num_modes != 1:
         print(f"note: --single has K = {drafters['single'].cfg.num_modes}; its default path is used as the single mode",
               file=sys.stderr)
-    target = load_target(args.target, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompt_sets = {}
-    if args.prompts_file:
-        texts = json.loads(open(args.prompts_file).read())[: args.limit]
-        prompt_sets["prompts"] = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    else:
-        from .prompts import load_prompts
-
-        for name in args.sets.split(","):
-            prompts = load_prompts(name, split="heldout", limit=args.limit)
-            prompt_sets[name] = [
-                list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True)["input_ids"])
-                for p in prompts
-            ]
-    eos = {tokenizer.eos_token_id, *_as_list(target.config.eos_token_id)} - {None}
     results = evaluate.evaluate(target, drafters["single"], drafters["mfd"], prompt_sets, args.budgets,
                                 args.max_new_tokens, eos, log=lambda *a: print(*a, file=sys.stderr))
     print(evaluate.format_table(results, args.budgets))
@@ -294,6 +286,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even if the cached checkpoint matches")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_prepare_target)
+
+    p = sub.add_parser("demo", help="MFD in a real SGLang server vs the same server without speculation (chat, OpenAI client)",
+                       description="Starts a plain SGLang server and an MFD one (GPU if there is one, else CPU), sends "
+                                   "the same chat requests to both through the OpenAI client, prints the answers, tau and "
+                                   "the decode speed of both. Default: SmolLM2-135M-Instruct + drafters/smollm2-135m/mfd.")
+    p.add_argument("--target", default=None, help="HF target directory (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="MFD / DFlash drafter directory (default: drafters/smollm2-135m/mfd)")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default 96)")
+    p.add_argument("--budget", type=int, default=16, help="MFD tree budget B (default 16)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="server dtype (default bfloat16)")
+    p.set_defaults(func=_demo)
 
     p = sub.add_parser("prompts", help="list the offline prompt sets (code, chat, math) and their held-out split")
     p.add_argument("--set", choices=["code", "chat", "math"], default=None, help="one set (default: all three)")

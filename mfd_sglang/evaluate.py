@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .drafter import MFDDrafter, context_features
-from .hf import SpeculativeGenerator
+from .hf import SamplingParams, SpeculativeGenerator
 from .tree import DraftTree
 
 
@@ -113,8 +113,42 @@ def mode_argmax_chains(engine: SpeculativeGenerator, sequence: list[int], length
     return drafter.to_target_ids(logprobs.argmax(-1))
 
 
+def load_inputs(target_path, single_path, mfd_path, dtype: torch.dtype, sets: list[str] | None = None,
+                limit: int | None = None, prompts_file=None):
+    """(target, {"single": drafter, "mfd": drafter}, {set: [chat-templated prompt ids]}, eos ids) for an
+    evaluation: drafters checked against the target; prompts from the held-out split of `sets`, or the
+    raw texts of `prompts_file` (a JSON list) as the one set "prompts"."""
+    from transformers import AutoTokenizer
+
+    from .checkpoint import check_fits_target, load_drafter
+    from .hf import eos_token_ids, load_target
+
+    drafters = {}
+    for role, path in (("single", single_path), ("mfd", mfd_path)):
+        ckpt = load_drafter(path)
+        check_fits_target(ckpt, target_path)
+        drafters[role] = MFDDrafter.from_checkpoint(ckpt, dtype=dtype)
+    target = load_target(target_path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    prompt_sets = {}
+    if prompts_file:
+        texts = json.loads(Path(prompts_file).read_text())[:limit]
+        prompt_sets["prompts"] = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        from .prompts import load_prompts
+
+        for name in sets:
+            prompt_sets[name] = [
+                list(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"])
+                for p in load_prompts(name, split="heldout", limit=limit)
+            ]
+    return target, drafters, prompt_sets, eos_token_ids(tokenizer, target.config)
+
+
 def run_method(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: int, eos: set[int],
-               chimera_reference: SpeculativeGenerator | None = None) -> tuple[MethodStats, list[list[int]]]:
+               chimera_reference: SpeculativeGenerator | None = None,
+               params: SamplingParams | None = None) -> tuple[MethodStats, list[list[int]]]:
     """Generate every prompt (batch 1, timed) and gather the statistics."""
     stats = MethodStats()
     outputs = []
@@ -131,7 +165,7 @@ def run_method(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: 
             stats.accepted_modes.update(tree.modes[row, local[local >= 0] - 1].tolist())
 
         start = time.perf_counter()
-        out = engine.generate_batch([ids], max_new, eos_token_ids=eos, on_round=on_round)[0]
+        out = engine.generate_batch([ids], max_new, params=params, eos_token_ids=eos, on_round=on_round)[0]
         stats.seconds += time.perf_counter() - start
         stats.tokens += sum(r.emitted for r in out.rounds)
         stats.rounds += len(out.rounds)

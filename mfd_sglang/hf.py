@@ -87,6 +87,13 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     return model.to(device).eval()
 
 
+def eos_token_ids(tokenizer, config) -> set[int]:
+    """The tokenizer's EOS plus every EOS id in the model config (which may list several)."""
+    ids = config.eos_token_id
+    ids = [] if ids is None else list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return {tokenizer.eos_token_id, *ids} - {None}
+
+
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool [bs, q, k] -> the additive [bs, 1, q, k] mask Transformers takes as it is."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(

@@ -1,14 +1,9 @@
 #!/usr/bin/env bash
-# Set up .venv (idempotent), build the tiny target + MFD drafter pair (cached), and generate with
-# the reference engine: prints the text, tau and the per-stage times.
+# The main job: set up .venv (idempotent), then run MFD in a real SGLang server on SmolLM2-135M-Instruct
+# with the shipped MFD drafter, against the same server without speculation (chat requests through the
+# OpenAI client; GPU if there is one, else CPU). Extra arguments go to `python -m mfd_sglang demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1  # nothing is ever fetched from a model hub
-CACHE=${MFD_SGLANG_CACHE:-$HOME/.cache/mfd-sglang}
-PAIR="$CACHE/tiny-seed0"
-if [ ! -f "$PAIR/drafter/model.safetensors" ]; then
-  .venv/bin/python -m mfd_sglang make-tiny "$PAIR" --seed 0
-fi
-.venv/bin/python -m mfd_sglang generate --target "$PAIR/target" --drafter "$PAIR/drafter" \
-  --prompt "${1:-january february march}" --max-new-tokens "${2:-64}" --budget 16
+.venv/bin/python -m mfd_sglang demo "$@"

@@ -1,0 +1,268 @@
+"""Closed-loop batch-size benchmark of real SGLang servers (the paper's batch-size experiment).
+
+For each configuration and each batch size b, exactly b requests are in flight: each one that finishes
+is replaced by the next prompt until --requests-per-size have run. Requests stream from SGLang's
+/generate endpoint (the chat template is applied here; /generate is used rather than /v1 because only
+its metadata carries the acceptance counters), so the time to the first token (prefill) is separated
+from decoding. Per configuration and b: decode tokens/s (all decoded tokens after each request's first,
+over the wall time of that b), speed-up over the AR server at the same b, tau (completion tokens per
+verify round, SGLang's spec_accept_length), mean TTFT and failed requests.
+
+    python benchmarks/closed_loop.py --target $(python -m mfd_sglang prepare-target) \\
+        --single-drafter drafters/smollm2-135m/dflash --mfd-drafter drafters/smollm2-135m/mfd \\
+        --batch-sizes 1 2 4 --requests-per-size 8 --record
+
+Configurations: ar (no speculation), dflash (SGLang's own DFLASH chain with the single-mode drafter;
+CUDA only), mfd, mfd_d, ddtree (MFD with the single-mode drafter, K = 1). The servers are launched
+here one at a time (GPU if there is one, else CPU through mfd_sglang.cpu.launch_server), or given
+with --base-url NAME=URL (then nothing is launched for NAME).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import queue
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+from tqdm.auto import tqdm
+
+from mfd_sglang.server_process import ServerProcess, free_port, launch_command
+
+CONFIGS = ("ar", "dflash", "mfd", "mfd_d", "ddtree")
+
+
+def server_command(name: str, args, port: int, device: str, max_batch: int) -> list[str] | None:
+    """The launch command of one configuration, None when it cannot run on this device."""
+    extra = ["--max-running-requests", str(max_batch), "--context-length", str(args.context_length),
+             "--log-level", "warning"]
+    common = dict(port=port, device=device, dtype=args.dtype, extra_args=extra)
+    if name == "ar":
+        return launch_command(args.target, **common)
+    if name == "dflash":
+        if device == "cpu":
+            return None  # SGLang 0.5.23 refuses DFLASH on non-CUDA devices
+        return launch_command(args.target, algorithm="DFLASH", drafter=args.single_drafter, **common)
+    algorithm = "MFD_D" if name == "mfd_d" else "MFD"
+    drafter = args.single_drafter if name == "ddtree" else args.mfd_drafter
+    return launch_command(args.target, algorithm=algorithm, drafter=drafter, budget=args.budget, **common)
+
+
+def stream_one(base_url: str, input_ids: list[int], max_tokens: int, timeout: float) -> dict:
+    """One streaming /generate request: ttft, end time, tokens and verify rounds (or the error)."""
+    payload = {"input_ids": input_ids, "stream": True,
+               "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
+    start = time.perf_counter()
+    first = None
+    meta: dict = {}
+    try:
+        with requests.post(base_url + "/generate", json=payload, stream=True, timeout=timeout) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                if first is None:
+                    first = time.perf_counter()
+                meta = json.loads(line[5:]).get("meta_info", meta)
+    except requests.RequestException as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    end = time.perf_counter()
+    return {"ttft": (first or end) - start, "decode_seconds": end - (first or end),
+            "tokens": int(meta.get("completion_tokens", 0)), "rounds": int(meta.get("spec_verify_ct", 0) or 0)}
+
+
+def closed_loop(base_url: str, prompts: list[list[int]], batch: int, total: int, max_tokens: int,
+                timeout: float, bar) -> dict:
+    """`total` requests with exactly `batch` in flight; returns the aggregate for this batch size."""
+    work: queue.Queue = queue.Queue()
+    for i in range(total):
+        work.put(prompts[i % len(prompts)])
+    records, lock = [], threading.Lock()
+
+    def client():
+        while True:
+            try:
+                ids = work.get_nowait()
+            except queue.Empty:
+                return
+            record = stream_one(base_url, ids, max_tokens, timeout)
+            with lock:
+                records.append(record)
+                bar.update(1)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ok = [r for r in records if "error" not in r]
+    decoded = sum(max(r["tokens"] - 1, 0) for r in ok)
+    rounds = sum(r["rounds"] for r in ok)
+    return {
+        "requests": len(records), "errors": len(records) - len(ok),
+        "error_messages": sorted({r["error"] for r in records if "error" in r})[:5],
+        "decode_tokens_per_second": decoded / wall if wall else 0.0,
+        "tau": sum(r["tokens"] for r in ok) / rounds if rounds else None,
+        "mean_ttft_seconds": sum(r["ttft"] for r in ok) / len(ok) if ok else None,
+        "wall_seconds": wall,
+    }
+
+
+def chat_prompts(target: str, sets: list[str], limit: int, prompts_file: str | None = None) -> list[list[int]]:
+    """Chat-templated prompt ids: the held-out split of `sets`, or the texts of a JSON list file."""
+    from transformers import AutoTokenizer
+
+    from mfd_sglang.prompts import load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if prompts_file:
+        texts = json.loads(Path(prompts_file).read_text())[:limit]
+    else:
+        texts = [p.text for name in sets for p in load_prompts(name, split="heldout", limit=limit)]
+    return [[int(i) for i in tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                            tokenize=True, return_dict=True)["input_ids"]]
+            for t in texts]
+
+
+def plot(results: dict, batch_sizes: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, per_batch in results.items():
+        points = [(b, per_batch[str(b)].get("speedup")) for b in batch_sizes if str(b) in per_batch]
+        points = [(b, s) for b, s in points if s is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight (closed loop)")
+    ax.set_ylabel("decode speed-up over AR")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine_name(device: str) -> str:
+    if device != "cpu":
+        import torch
+
+        return torch.cuda.get_device_name().replace(" ", "-")
+    return f"cpu{os.cpu_count()}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="HF target directory (also gives the tokenizer)")
+    parser.add_argument("--single-drafter", default=None, help="single-mode (DFlash) drafter: dflash and ddtree")
+    parser.add_argument("--mfd-drafter", default=None, help="MFD drafter: mfd and mfd_d")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {CONFIGS} (default all)")
+    parser.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
+                        help="use a running server for configuration NAME instead of launching one")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--requests-per-size", type=int, default=16, help="requests per batch size (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    parser.add_argument("--sets", default="chat", help="prompt sets, held-out split (default chat)")
+    parser.add_argument("--prompts-file", default=None, help="JSON list of texts instead of --sets")
+    parser.add_argument("--limit", type=int, default=16, help="prompts per set (default 16)")
+    parser.add_argument("--budget", type=int, default=None, help="MFD tree budget B (default: the plugin's)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument("--timeout", type=float, default=900, help="per-request timeout in seconds")
+    parser.add_argument("--out", default=None, help="JSON path (default with --record: "
+                        "benchmarks/results/closed-loop-<machine>-<date>.json)")
+    parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    parser.add_argument("--record", action="store_true", help="write into benchmarks/results/")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    args = parser.parse_args(argv)
+
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
+    urls = dict(item.split("=", 1) for item in args.base_url)
+    needs = {"dflash": "single_drafter", "ddtree": "single_drafter", "mfd": "mfd_drafter", "mfd_d": "mfd_drafter"}
+    for name in configs:
+        if name in needs and name not in urls and getattr(args, needs[name]) is None:
+            parser.error(f"configuration {name} needs --{needs[name].replace('_', '-')} (or --base-url {name}=URL)")
+    prompts = chat_prompts(args.target, args.sets.split(","), args.limit, args.prompts_file)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="closed-loop-"))
+    max_batch = max(args.batch_sizes)
+
+    results, skipped = {}, {}
+    total = len(configs) * len(args.batch_sizes) * args.requests_per_size
+    with tqdm(total=total, desc="closed loop", unit="req", file=sys.stderr) as bar:
+        for name in configs:
+            if name in urls:
+                runs = {str(b): closed_loop(urls[name], prompts, b, args.requests_per_size, args.max_tokens,
+                                            args.timeout, bar) for b in args.batch_sizes}
+            else:
+                port = free_port()
+                cmd = server_command(name, args, port, args.device, max_batch)
+                if cmd is None:
+                    skipped[name] = "SGLang 0.5.23 serves DFLASH on CUDA only"
+                    bar.update(len(args.batch_sizes) * args.requests_per_size)
+                    continue
+                bar.set_postfix_str(f"starting {name}")
+                env = dict(os.environ, HF_HUB_OFFLINE="1")
+                with ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900) as srv:
+                    bar.set_postfix_str(name)
+                    stream_one(srv.base_url, prompts[0], 8, args.timeout)  # warm-up
+                    runs = {str(b): closed_loop(srv.base_url, prompts, b, args.requests_per_size, args.max_tokens,
+                                                args.timeout, bar) for b in args.batch_sizes}
+            results[name] = runs
+    if "ar" in results:
+        for name, runs in results.items():
+            for b, run in runs.items():
+                base = results["ar"][b]["decode_tokens_per_second"]
+                run["speedup"] = run["decode_tokens_per_second"] / base if base else None
+
+    print(f"{'config':<8} {'b':>4} {'decode tok/s':>13} {'speed-up':>9} {'tau':>6} {'TTFT s':>7} {'errors':>6}")
+    for name, runs in results.items():
+        for b, run in runs.items():
+            speedup = "-" if run.get("speedup") is None else f"{run['speedup']:.2f}x"
+            tau = "-" if run["tau"] is None else f"{run['tau']:.2f}"
+            ttft = "-" if run["mean_ttft_seconds"] is None else f"{run['mean_ttft_seconds']:.2f}"
+            print(f"{name:<8} {b:>4} {run['decode_tokens_per_second']:>13.1f} {speedup:>9} {tau:>6} {ttft:>7} "
+                  f"{run['errors']:>6}")
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
+
+    out = args.out
+    machine = machine_name(args.device)
+    if out is None and args.record:
+        out = f"benchmarks/results/closed-loop-{machine}-{dt.date.today()}.json"
+    if out:
+        command = "python benchmarks/closed_loop.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        report = {"date": str(dt.date.today()), "machine": machine, "device": args.device, "platform": platform.platform(),
+                  "command": command, "settings": {k: v for k, v in vars(args).items() if k != "base_url"},
+                  "results": results, "skipped": skipped}
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2))
+        png = Path(args.plot or Path(out).with_suffix(".png"))
+        plot(results, args.batch_sizes, png)
+        print(f"wrote {out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
