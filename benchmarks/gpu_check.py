@@ -9,7 +9,11 @@ Sections (each reports what it ran; parts not built yet are listed as such, neve
             and no host sync inside the kernel launch (CUDA sync debug mode "error")
   tree_time tree-build ms per round, torch vs Triton: bs {1,4,16}, K=8, D=15, B {16,32,64,128},
             V {32768,65536,151936} (paper's engine ~0.35 ms; target <= 0.10 ms at bs=1, B=64, V=65536)
-  pending   fused mode attention, CUDA-graph verify rounds, the SGLang server step: not built yet
+  attention fused mode-attention kernel vs the torch reference (gather + masked SDPA, the generic
+            path), fp32 and bf16, max abs error
+  attention_time  ms per drafter attention call, Triton vs the generic path: K=8, block 16, context 4K,
+            32 query / 8 kv heads of 128 (Qwen3-4B-shaped drafter), bs {1,4,16} (target >= 1.5x)
+  pending   CUDA-graph verify rounds, the SGLang server step: not built yet
 Results go to benchmarks/results/gpu-check-<date>-<machine>.json.
 """
 
@@ -27,11 +31,12 @@ from pathlib import Path
 
 import torch
 
+from mfd_sglang.mode_attention import mode_attention, random_inputs
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from tree_build import time_build  # benchmarks/ is on sys.path when this runs as a script
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PENDING = ["fused mode-attention kernel", "CUDA-graph draft + tree-verify rounds (MFD, MFD_D, DDTree)",
+PENDING = ["CUDA-graph draft + tree-verify rounds (MFD, MFD_D, DDTree)",
            "SGLang server exactness (MFD, MFD_D vs plain)"]
 
 
@@ -106,6 +111,50 @@ def time_tree_build(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def check_mode_attention(device: str, quick: bool) -> list[dict]:
+    shapes = [(1, 8, 16, 32, 8, 128, [4096]), (4, 8, 16, 32, 8, 128, [1, 700, 2048, 4096]),
+              (3, 1, 16, 16, 16, 64, [0, 33, 900])]
+    if quick:
+        shapes = [(2, 2, 4, 2, 1, 16, [3, 20])]
+    # The Triton interpreter's bf16 dot is broken: on a CPU, fp16 stands in for the half-precision check.
+    dtypes = (torch.float32, torch.bfloat16 if device.startswith("cuda") else torch.float16)
+    rows = []
+    for (bs, k, t, hq, hkv, d, lens), dtype in itertools.product(shapes, dtypes):
+        row = {"bs": bs, "K": k, "T": t, "Hq": hq, "Hkv": hkv, "d": d, "dtype": str(dtype).removeprefix("torch.")}
+        try:
+            case = random_inputs(bs, bs, k, t, hq, hkv, d, lens, dtype, device)
+            reference = mode_attention(**{n: (x.float() if x.is_floating_point() else x) for n, x in case.items()},
+                                       num_modes=k)
+            fast = mode_attention(**case, num_modes=k, backend="triton")
+            row["max_abs_error"] = float((fast.float() - reference).abs().max())
+            row["ok"] = row["max_abs_error"] <= (1e-4 if dtype == torch.float32 else 3e-2)
+        except Exception as exc:
+            row["ok"] = False
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    return rows
+
+
+def time_mode_attention(device: str, quick: bool) -> list[dict]:
+    if not device.startswith("cuda"):
+        return []  # the interpreter's timings mean nothing
+    rows = []
+    for bs in (1, 4, 16):
+        case = random_inputs(0, bs, 8, 16, 32, 8, 128, [4096] * bs, torch.bfloat16, device)
+        row = {"bs": bs, "K": 8, "T": 16, "context": 4096}
+        for backend in ("torch", "triton"):
+            mode_attention(**case, num_modes=8, backend=backend)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                mode_attention(**case, num_modes=8, backend=backend)
+            torch.cuda.synchronize()
+            row[f"{backend}_ms"] = round((time.perf_counter() - start) / 20 * 1000, 4)
+        row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
+        rows.append(row)
+    return rows
+
+
 def print_table(report: dict) -> None:
     print("\n=== GPU check", report["date"], report["env"].get("gpu", report["env"]["device"]), "===")
     tree = report["tree"]
@@ -118,6 +167,13 @@ def print_table(report: dict) -> None:
     for r in report["tree_time"]:
         t, g = r.get("torch_ms"), r.get("triton_ms")
         print(f"{r['bs']:>3} {r['B']:>4} {r['V']:>7} {t if t is not None else '-':>10} {g if g is not None else '-':>10}")
+    attention = report.get("attention", [])
+    print(f"\nmode attention vs torch reference: {sum(r['ok'] for r in attention)}/{len(attention)} within tolerance")
+    for r in attention:
+        if not r["ok"]:
+            print("  MISMATCH", r)
+    for r in report.get("attention_time", []):
+        print(f"  bs {r['bs']:>2}: torch {r['torch_ms']} ms, triton {r['triton_ms']} ms, {r['speedup']}x")
     print("\nnot built yet:", "; ".join(report["pending"]))
 
 
@@ -130,7 +186,8 @@ def main() -> None:
     date = dt.date.today().isoformat()
     report = {"date": date, "command": "python benchmarks/gpu_check.py" + (" --quick" if args.quick else ""),
               "env": environment(args.device), "pending": PENDING}
-    for section, fn in (("tree", check_tree_kernel), ("tree_time", time_tree_build)):
+    for section, fn in (("tree", check_tree_kernel), ("tree_time", time_tree_build),
+                        ("attention", check_mode_attention), ("attention_time", time_mode_attention)):
         start = time.perf_counter()
         try:
             report[section] = fn(args.device, args.quick)

@@ -14,6 +14,7 @@ context keys/values and run in the same forward pass; a copy never sees another 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -99,9 +100,10 @@ class DrafterLayer(nn.Module):
         k = apply_rope(k, cos[:, :, None], sin[:, :, None])
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, num_modes: int,
-                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [bs, K*T, H] (mode-major), positions [bs, K*T], mask [bs, 1, K*T, Lc + K*T] bool."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """x [bs, K*T, H] (mode-major), positions [bs, K*T]; `attend(q, k, v)` joins the block's
+        queries / keys / values [bs, heads, K*T, hd] with the context (`dense_attention` or a paged
+        context's mode attention) and returns [bs, heads, K*T, hd]."""
         bs, rows, _ = x.shape
         eps = self.cfg.rms_norm_eps
         h = rms_norm(x, self.input_layernorm, eps)
@@ -110,12 +112,18 @@ class DrafterLayer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta, x.dtype)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None]).transpose(1, 2)
         k, v = self.keys_values(h, positions)
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        attn = attend(q, k, v)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(bs, rows, -1))
         h = rms_norm(x, self.post_attention_layernorm, eps)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def dense_attention(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor,
+                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The block attends to padded context keys/values [bs, kv_heads, L, hd] and to itself under a
+    bool mask [bs, 1, K*T, L + K*T]."""
+    return F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2),
+                                          attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MFDDrafter(nn.Module):
@@ -189,17 +197,24 @@ class MFDDrafter(nn.Module):
         """Draft all modes in one pass.
 
         block_embeds [bs, T, H]: target embeddings of `[last verified token, MASK x (T-1)]`;
-        block_positions [bs, T]. Returns the final-normed hidden states [bs, K', T-1, H] of the
-        drafted positions (the first block slot is dropped).
+        block_positions [bs, T]; context: a padded DraftContext, or a paged context read in place
+        (full attention only: drafters with sliding layers need the DraftContext). Returns the
+        final-normed hidden states [bs, K', T-1, H] of the drafted positions (the first block slot
+        is dropped).
         """
         bs, t, h = block_embeds.shape
         modes = self.mode_vectors(single_mode).to(block_embeds.dtype)
         k = modes.shape[0]
         x = (block_embeds[:, None] + modes[None, :, None]).reshape(bs, k * t, h)
         positions = block_positions.repeat(1, k)
-        mask = self._attention_mask(context, block_positions, k)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, k, context.keys[i], context.values[i], mask[i])
+        if isinstance(context, DraftContext):
+            masks = self._attention_mask(context, block_positions, k)
+            attends = [partial(dense_attention, context.keys[i], context.values[i], masks[i])
+                       for i in range(len(self.layers))]
+        else:  # a paged context (mfd_sglang.serving.draft_context_pool.PagedDraftContext)
+            attends = [context.attend(i, num_modes=k) for i in range(len(self.layers))]
+        for layer, attend in zip(self.layers, attends):
+            x = layer(x, positions, attend)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return x.view(bs, k, t, h)[:, :, 1:]
 

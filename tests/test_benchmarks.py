@@ -33,4 +33,5 @@ def test_gpu_check_script_runs_and_records_json(tmp_path):
     assert report["env"]["torch"] and report["date"]
     assert report["tree"] and all(row["identical"] for row in report["tree"]), report["tree"]
     assert report["tree_time"] and all(row["torch_ms"] > 0 for row in report["tree_time"])
+    assert report["attention"] and all(row["ok"] for row in report["attention"]), report["attention"]
     assert "not built yet" in proc.stdout and str(out) in proc.stdout

@@ -125,3 +125,27 @@ def test_logprobs_over_the_draft_vocabulary_map_back_to_target_ids(draft_vocab):
     best = logprobs.argmax(-1)
     full_scores = hidden @ lm_head[expected_ids].T
     assert torch.equal(drafter.to_target_ids(best), expected_ids[full_scores.argmax(-1)])
+
+
+def test_paged_context_read_in_place_equals_the_padded_context():
+    from mfd_sglang.serving.draft_context_pool import DraftContextPool
+
+    drafter = make_drafter(num_modes=3)
+    lengths = [5, 9]
+    features, ctx_pos, block_embeds, _ = inputs(2, max(lengths))
+    block_pos = torch.tensor(lengths)[:, None] + torch.arange(BLOCK)
+    valid = ctx_pos < torch.tensor(lengths)[:, None]
+    dense = drafter.context_kv(features, ctx_pos, valid)
+
+    pool = DraftContextPool(drafter, 40, device="cpu", dtype=torch.float32)
+    table = torch.zeros(4, 12, dtype=torch.int32)  # SGLang's req_to_token: rows of slot ids
+    rows = torch.tensor([3, 1])
+    slots = torch.randperm(39, generator=torch.Generator().manual_seed(2))[:sum(lengths)] + 1
+    for b, (row, n) in enumerate(zip(rows, lengths)):
+        mine = slots[sum(lengths[:b]): sum(lengths[:b]) + n]
+        table[row, :n] = mine.int()
+        pool.write(drafter, features[b, :n], torch.arange(n), mine)
+    paged = pool.paged(table, rows, torch.tensor(lengths), backend="torch")
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(block_embeds, block_pos, paged), drafter(block_embeds, block_pos, dense),
+                                   atol=1e-5, rtol=1e-5)

@@ -5,15 +5,23 @@ hidden states projected by `fc` + `hidden_norm`, then each drafter layer's k/v p
 and RoPE at the token's position) lives at the same index here. Radix-cache prefix hits therefore
 reuse the drafter context together with the target KV, and freeing a slot needs nothing extra.
 
+`paged(...)` hands the drafter a context it reads in place (`mfd_sglang.mode_attention`: the
+reference in torch, the fused Triton kernel on CUDA); `gather(...)` copies it into a padded
+DraftContext (needed by drafters with sliding-window layers).
+
 The draft block itself (K modes x block rows) never enters this pool: its keys and values exist
 only inside the drafter's forward, so no verify slots are borrowed for drafting.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 
 from mfd_sglang.drafter import DraftContext, MFDDrafter
+from mfd_sglang.mode_attention import mode_attention
 
 
 class DraftContextPool:
@@ -46,3 +54,23 @@ class DraftContextPool:
             positions=positions,
             valid=positions < lengths[:, None],
         )
+
+    def paged(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lengths: torch.Tensor,
+              backend: str) -> "PagedDraftContext":
+        """The context of bs requests read in place: positions 0..lengths[b]-1 of req_to_token's rows."""
+        return PagedDraftContext(self, req_to_token, req_pool_indices, lengths, backend)
+
+
+@dataclass
+class PagedDraftContext:
+    pool: DraftContextPool
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    lengths: torch.Tensor
+    backend: str  # "torch" or "triton"
+
+    def attend(self, layer: int, *, num_modes: int):
+        """The drafter layer's attention: attend(q, k, v) -> [bs, heads, K*T, hd]."""
+        return partial(mode_attention, pool_k=self.pool.keys[layer], pool_v=self.pool.values[layer],
+                       req_to_token=self.req_to_token, req_pool_indices=self.req_pool_indices,
+                       context_lens=self.lengths, num_modes=num_modes, backend=self.backend)

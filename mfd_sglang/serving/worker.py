@@ -71,7 +71,10 @@ class MFDWorkerV2(BaseSpecWorker):
             self.drafter.mode_embed.data = self.drafter.mode_embed.data[: options.num_modes]
         self.switch_threshold = options.switch_threshold if algorithm.name == "MFD_D" else None
         self.single_mode = False  # MFD_D's current path, logged when it switches
-        self.tree_backend = "triton" if str(self.device).startswith("cuda") else "torch"
+        on_cuda = str(self.device).startswith("cuda")
+        self.tree_backend = "triton" if on_cuda else "torch"
+        sliding = any(self.drafter.cfg.is_sliding(i) for i in range(self.drafter.cfg.num_hidden_layers))
+        self.mode_attention_backend = None if sliding else "triton" if on_cuda else "torch"
 
         target = self.model_runner.model
         vocab = self.model_runner.model_config.vocab_size
@@ -81,9 +84,10 @@ class MFDWorkerV2(BaseSpecWorker):
         self.context_pool: DraftContextPool | None = None
         cfg = self.drafter.cfg
         logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d), tree budget %d, "
-                    "single-mode switch at %s running requests, tree backend %s", algorithm.name,
+                    "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm.name,
                     spec.speculative_draft_model_path, cfg.num_hidden_layers, self.drafter.mode_embed.shape[0],
-                    cfg.block_size, self.budget, self.switch_threshold or "never", self.tree_backend)
+                    cfg.block_size, self.budget, self.switch_threshold or "never", self.tree_backend,
+                    self.mode_attention_backend or "padded copy (sliding layers)")
 
     # --- SGLang lifecycle ---------------------------------------------------------------------
     def __getattr__(self, name):
@@ -175,18 +179,25 @@ class MFDWorkerV2(BaseSpecWorker):
     # --- the stages of a round ------------------------------------------------------------------
     def draft(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor, single_mode: bool) -> torch.Tensor:
         """Drafter log-probs [bs, K, D, Vd] of the blocks `[root, MASK...]` at positions seq_lens.."""
-        # Host-side bound on the context length: the reserved KV lengths (>= committed lengths).
-        reserved = batch.spec_info.nxt_kv_lens_cpu
-        width = int(reserved.max()) if reserved is not None else int(batch.seq_lens_cpu.max())
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
-        context = self.context_pool.gather(slots, seq_lens)
         block = self.drafter.cfg.block_size
         tokens = torch.full((roots.shape[0], block), self.drafter.cfg.mask_token_id, device=roots.device)
         tokens[:, 0] = roots
         positions = seq_lens[:, None].long() + torch.arange(block, device=roots.device)
+        context = self.draft_context(batch, seq_lens)
         hidden = self.drafter(self.embed_weight[tokens], positions, context, single_mode=single_mode)
         return self.drafter.logprobs(hidden, self.lm_head_weight)
+
+    def draft_context(self, batch, seq_lens: torch.Tensor):
+        """The committed context, read in place through the KV slot table (mode attention), or for
+        drafters with sliding-window layers copied into a padded DraftContext."""
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        if self.mode_attention_backend is not None:
+            return self.context_pool.paged(req_to_token, batch.req_pool_indices, seq_lens, self.mode_attention_backend)
+        # Host-side bound on the context length: the reserved KV lengths (>= committed lengths).
+        reserved = batch.spec_info.nxt_kv_lens_cpu
+        width = int(reserved.max()) if reserved is not None else int(batch.seq_lens_cpu.max())
+        slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
+        return self.context_pool.gather(slots, seq_lens)
 
     def build_tree(self, logprobs: torch.Tensor) -> DraftTree:
         tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)
