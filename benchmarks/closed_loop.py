@@ -1,10 +1,10 @@
 """Closed-loop batch-size benchmark of real SGLang servers (the paper's batch-size experiment).
 
 For each configuration and each batch size b, exactly b requests are in flight: each one that finishes
-is replaced by the next prompt until --requests-per-size have run. Requests stream from SGLang's
-/generate endpoint (the chat template is applied here; /generate is used rather than /v1 because only
-its metadata carries the acceptance counters), so the time to the first token (prefill) is separated
-from decoding. Per configuration and b: decode tokens/s (all decoded tokens after each request's first,
+is replaced by the next prompt until --requests-per-size have run. Requests are streaming OpenAI chat
+completions (/v1/chat/completions, the server applies the chat template), so the time to the first
+token (prefill) is separated from decoding; the final chunks carry the usage and SGLang's acceptance
+counters (`return_spec_tokens_details`). Per configuration and b: decode tokens/s (all decoded tokens after each request's first,
 over the wall time of that b), speed-up over the AR server at the same b, tau (completion tokens per
 verify round, SGLang's spec_accept_length), mean TTFT and failed requests.
 
@@ -56,31 +56,35 @@ def server_command(name: str, args, port: int, device: str, max_batch: int) -> l
     return launch_command(args.target, algorithm=algorithm, drafter=drafter, budget=args.budget, **common)
 
 
-def stream_one(base_url: str, input_ids: list[int], max_tokens: int, timeout: float) -> dict:
-    """One streaming /generate request: ttft, end time, tokens and verify rounds (or the error)."""
-    payload = {"input_ids": input_ids, "stream": True,
-               "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
+def stream_one(base_url: str, text: str, max_tokens: int, timeout: float) -> dict:
+    """One streaming chat completion: ttft, decode time, completion tokens and verify rounds (or the error)."""
+    payload = {"model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+               "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+               "return_spec_tokens_details": True}
     start = time.perf_counter()
     first = None
-    meta: dict = {}
+    tokens = rounds = 0
     try:
-        with requests.post(base_url + "/generate", json=payload, stream=True, timeout=timeout) as r:
+        with requests.post(base_url + "/v1/chat/completions", json=payload, stream=True, timeout=timeout) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
             for line in r.iter_lines():
                 if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                     continue
-                if first is None:
+                chunk = json.loads(line[5:])
+                if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices") or []):
                     first = time.perf_counter()
-                meta = json.loads(line[5:]).get("meta_info", meta)
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                details = (chunk.get("sglext") or {}).get("spec_tokens_details") or {}
+                rounds = details.get("spec_verify_ct", rounds)
     except requests.RequestException as e:
         return {"error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter()
-    return {"ttft": (first or end) - start, "decode_seconds": end - (first or end),
-            "tokens": int(meta.get("completion_tokens", 0)), "rounds": int(meta.get("spec_verify_ct", 0) or 0)}
+    return {"ttft": (first or end) - start, "decode_seconds": end - (first or end), "tokens": int(tokens),
+            "rounds": int(rounds or 0)}
 
 
-def closed_loop(base_url: str, prompts: list[list[int]], batch: int, total: int, max_tokens: int,
+def closed_loop(base_url: str, prompts: list[str], batch: int, total: int, max_tokens: int,
                 timeout: float, bar) -> dict:
     """`total` requests with exactly `batch` in flight; returns the aggregate for this batch size."""
     work: queue.Queue = queue.Queue()
@@ -91,10 +95,10 @@ def closed_loop(base_url: str, prompts: list[list[int]], batch: int, total: int,
     def client():
         while True:
             try:
-                ids = work.get_nowait()
+                text = work.get_nowait()
             except queue.Empty:
                 return
-            record = stream_one(base_url, ids, max_tokens, timeout)
+            record = stream_one(base_url, text, max_tokens, timeout)
             with lock:
                 records.append(record)
                 bar.update(1)
@@ -119,20 +123,13 @@ def closed_loop(base_url: str, prompts: list[list[int]], batch: int, total: int,
     }
 
 
-def chat_prompts(target: str, sets: list[str], limit: int, prompts_file: str | None = None) -> list[list[int]]:
-    """Chat-templated prompt ids: the held-out split of `sets`, or the texts of a JSON list file."""
-    from transformers import AutoTokenizer
-
+def chat_prompts(sets: list[str], limit: int, prompts_file: str | None = None) -> list[str]:
+    """User messages: the held-out split of `sets`, or the texts of a JSON list file."""
     from mfd_sglang.prompts import load_prompts
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
     if prompts_file:
-        texts = json.loads(Path(prompts_file).read_text())[:limit]
-    else:
-        texts = [p.text for name in sets for p in load_prompts(name, split="heldout", limit=limit)]
-    return [[int(i) for i in tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                            tokenize=True, return_dict=True)["input_ids"]]
-            for t in texts]
+        return json.loads(Path(prompts_file).read_text())[:limit]
+    return [p.text for name in sets for p in load_prompts(name, split="heldout", limit=limit)]
 
 
 def plot(results: dict, batch_sizes: list[int], path: Path) -> None:
@@ -167,7 +164,7 @@ def machine_name(device: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True, help="HF target directory (also gives the tokenizer)")
+    parser.add_argument("--target", required=True, help="HF target directory of the launched servers")
     parser.add_argument("--single-drafter", default=None, help="single-mode (DFlash) drafter: dflash and ddtree")
     parser.add_argument("--mfd-drafter", default=None, help="MFD drafter: mfd and mfd_d")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {CONFIGS} (default all)")
@@ -204,7 +201,7 @@ def main(argv=None) -> int:
     for name in configs:
         if name in needs and name not in urls and getattr(args, needs[name]) is None:
             parser.error(f"configuration {name} needs --{needs[name].replace('_', '-')} (or --base-url {name}=URL)")
-    prompts = chat_prompts(args.target, args.sets.split(","), args.limit, args.prompts_file)
+    prompts = chat_prompts(args.sets.split(","), args.limit, args.prompts_file)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="closed-loop-"))
     max_batch = max(args.batch_sizes)
 
