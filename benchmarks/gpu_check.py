@@ -33,7 +33,7 @@ import torch
 
 from mfd_sglang.mode_attention import mode_attention, random_inputs
 from mfd_sglang.tree import DraftTree, build_mixture_tree
-from tree_build import time_build  # benchmarks/ is on sys.path when this runs as a script
+from tree_build import mean_ms, time_build  # benchmarks/ is on sys.path when this runs as a script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PENDING = ["CUDA-graph draft + tree-verify rounds (MFD, MFD_D, DDTree)",
@@ -143,13 +143,8 @@ def time_mode_attention(device: str, quick: bool) -> list[dict]:
         case = random_inputs(0, bs, 8, 16, 32, 8, 128, [4096] * bs, torch.bfloat16, device)
         row = {"bs": bs, "K": 8, "T": 16, "context": 4096}
         for backend in ("torch", "triton"):
-            mode_attention(**case, num_modes=8, backend=backend)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(20):
-                mode_attention(**case, num_modes=8, backend=backend)
-            torch.cuda.synchronize()
-            row[f"{backend}_ms"] = round((time.perf_counter() - start) / 20 * 1000, 4)
+            ms = mean_ms(lambda: mode_attention(**case, num_modes=8, backend=backend), device, 20)
+            row[f"{backend}_ms"] = round(ms, 4)
         row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
         rows.append(row)
     return rows

@@ -18,22 +18,15 @@ import datetime as dt
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from mfd_sglang.evaluate import load_inputs, run_method
+from mfd_sglang.evaluate import ar_tokens_per_second, load_inputs, run_method
 from mfd_sglang.hf import SamplingParams, SpeculativeGenerator
 
 METHODS = ("chain", "ddtree", "mfd")
-
-
-def ar_tokens_per_second(engine: SpeculativeGenerator, prompts, max_new: int, eos) -> float:
-    start = time.perf_counter()
-    tokens = sum(len(engine.autoregressive(ids, max_new, eos)) for ids in prompts)
-    return tokens / (time.perf_counter() - start)
 
 
 def measure(target, drafters, prompt_sets, budgets, temperatures, max_new: int, eos, seed: int, bar) -> dict:

@@ -15,19 +15,24 @@ import torch
 from mfd_sglang.tree import build_mixture_tree
 
 
-def time_build(bs: int, k: int, d: int, v: int, budget: int, device: str, backend: str, repeats: int,
-               dtype: torch.dtype = torch.float32) -> float:
-    """Mean milliseconds of one build on random drafter log-probs [bs, K, D, V]."""
-    logprobs = torch.log_softmax(torch.randn(bs, k, d, v, device=device) * 3.0, dim=-1).to(dtype)
-    build_mixture_tree(logprobs, budget, backend=backend)  # warm-up (and compilation for Triton)
+def mean_ms(fn, device: str, repeats: int) -> float:
+    """Mean milliseconds of fn() over `repeats` calls after one warm-up call (compilation for Triton)."""
+    fn()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
-        build_mixture_tree(logprobs, budget, backend=backend)
+        fn()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats * 1000
+
+
+def time_build(bs: int, k: int, d: int, v: int, budget: int, device: str, backend: str, repeats: int,
+               dtype: torch.dtype = torch.float32) -> float:
+    """Mean milliseconds of one build on random drafter log-probs [bs, K, D, V]."""
+    logprobs = torch.log_softmax(torch.randn(bs, k, d, v, device=device) * 3.0, dim=-1).to(dtype)
+    return mean_ms(lambda: build_mixture_tree(logprobs, budget, backend=backend), device, repeats)
 
 
 def main() -> None:

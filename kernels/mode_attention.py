@@ -16,6 +16,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale):
+    """Online-softmax update of (running max, running sum, accumulator) with one key/value tile."""
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _mode_attention_kernel(
     Q, BK, BV, PK, PV, REQ_TO_TOKEN, REQ_IDX, CTX_LENS, OUT, scale,
     sq_b, sq_h, sq_r, sb_b, sb_h, sb_r, sp_s, sp_h, s_rt, so_b, so_h, so_r,
@@ -46,30 +58,17 @@ def _mode_attention_kernel(
         kv_off = slots[:, None] * sp_s + kv_head * sp_h + offs_d[None, :]
         kv_mask = valid_n[:, None] & valid_d[None, :]
         k = tl.load(PK + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        s = tl.where(valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
         v = tl.load(PV + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, valid_n[None, :], m_i, l_i, acc, scale)
 
     offs_r = tl.arange(0, BLOCK_R)
     valid_r = offs_r < ROWS
     blk_off = b * sb_b + kv_head * sb_h + offs_r[:, None] * sb_r + offs_d[None, :]
     blk_mask = valid_r[:, None] & valid_d[None, :]
     k = tl.load(BK + blk_off, mask=blk_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-    same_mode = (row[:, None] // BLOCK_T) == (offs_r[None, :] // BLOCK_T)
-    s = tl.where(same_mode & valid_r[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
     v = tl.load(BV + blk_off, mask=blk_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    same_mode = (row[:, None] // BLOCK_T) == (offs_r[None, :] // BLOCK_T)
+    m_i, l_i, acc = _attend_tile(q, k, v, same_mode & valid_r[None, :], m_i, l_i, acc, scale)
 
     out = acc / l_i[:, None]
     tl.store(OUT + b * so_b + head[:, None] * so_h + row[:, None] * so_r + offs_d[None, :],

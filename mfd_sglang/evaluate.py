@@ -178,6 +178,13 @@ def run_method(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: 
     return stats, outputs
 
 
+def ar_tokens_per_second(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: int, eos: set[int]) -> float:
+    """Plain greedy decoding speed of the engine's target over the prompts (batch 1): the baseline."""
+    start = time.perf_counter()
+    tokens = sum(len(engine.autoregressive(ids, max_new, eos)) for ids in prompts)
+    return tokens / (time.perf_counter() - start)
+
+
 def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str, list[list[int]]],
              budgets: list[int], max_new: int, eos: set[int], log=print) -> dict:
     """Every set x method x budget; returns {set: {method: {budget: summary}}} plus the AR baseline."""
@@ -185,9 +192,7 @@ def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str,
     for name, prompts in prompt_sets.items():
         # The single-mode drafter always drafts its default path (its only mode when K = 1).
         chain = SpeculativeGenerator(target, single, tree="chain", single_mode=True)
-        start = time.perf_counter()
-        ar_tokens = sum(len(chain.autoregressive(ids, max_new, eos)) for ids in prompts)
-        ar_tps = ar_tokens / (time.perf_counter() - start)
+        ar_tps = ar_tokens_per_second(chain, prompts, max_new, eos)
         set_results = {"ar_tokens_per_second": ar_tps, "prompts": len(prompts)}
         stats, _ = run_method(chain, prompts, max_new, eos)
         set_results["chain"] = {str(single.cfg.block_size - 1): stats.summary(ar_tps)}

@@ -39,8 +39,6 @@ SGLANG_VERSION = "0.5.23"
 DEFAULT_TREE_MASK_MODE = "sglang.srt.speculative.eagle_utils.default_tree_mask_mode"
 NGRAM_PREPARE = "sglang.srt.speculative.ngram_worker.NGRAMWorker._prepare_for_speculative_decoding"
 
-_installed = False
-
 
 def full_mask_tree_mask_mode(*args, **kwargs):
     """REPLACE hook for ``default_tree_mask_mode``: always FULL_MASK."""
@@ -83,17 +81,19 @@ def ngram_full_mask_after(result, self, batch, *args, **kwargs):
 
 def install(apply: bool = False) -> None:
     """Register both hooks with SGLang's HookRegistry (once per process)."""
-    global _installed
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from mfd_sglang.patches import register_once
 
-    if not _installed:
-        HookRegistry.register(DEFAULT_TREE_MASK_MODE, full_mask_tree_mask_mode, HookType.REPLACE)
-        HookRegistry.register(NGRAM_PREPARE, ngram_full_mask_after, HookType.AFTER)
-        _installed = True
+    added = [register_once(DEFAULT_TREE_MASK_MODE, full_mask_tree_mask_mode, "replace"),
+             register_once(NGRAM_PREPARE, ngram_full_mask_after, "after")]
+    if any(added):
         logger.debug("mfd_sglang: FULL_MASK hooks registered (SGLang %s)", SGLANG_VERSION)
     if apply:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
         HookRegistry.apply_hooks()
 
 
 def is_installed() -> bool:
-    return _installed
+    from mfd_sglang.patches import is_registered
+
+    return is_registered(DEFAULT_TREE_MASK_MODE, full_mask_tree_mask_mode)

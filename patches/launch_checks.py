@@ -14,8 +14,6 @@ from __future__ import annotations
 SGLANG_VERSION = "0.5.23"
 RESOLVE_ALGORITHM_ALIAS = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
 
-_installed = False
-
 
 def check_mfd_drafter_before(speculative_algorithm=None, speculative_draft_model_path=None, *args, **kwargs):
     """BEFORE hook: raise for MFD / MFD_D without a local drafter directory."""
@@ -27,11 +25,7 @@ def check_mfd_drafter_before(speculative_algorithm=None, speculative_draft_model
 
 
 def install() -> None:
-    """Register the hook (idempotent per process); SGLang's load_plugins() applies it."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    """Register the hook (once per process); SGLang's load_plugins() applies it."""
+    from mfd_sglang.patches import register_once
 
-    HookRegistry.register(RESOLVE_ALGORITHM_ALIAS, check_mfd_drafter_before, HookType.BEFORE)
-    _installed = True
+    register_once(RESOLVE_ALGORITHM_ALIAS, check_mfd_drafter_before, "before")

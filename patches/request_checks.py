@@ -16,8 +16,6 @@ from __future__ import annotations
 SGLANG_VERSION = "0.5.23"
 VALIDATE_DFLASH_REQUEST = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
 
-_installed = False
-
 
 def unsupported_request_features(req) -> list[str]:
     """The names of the features `req` asks for that MFD does not support (empty when none)."""
@@ -42,7 +40,9 @@ def unsupported_request_features(req) -> list[str]:
 def _running_mfd() -> bool:
     from sglang.srt.runtime_context import get_spec
 
-    return str(get_spec().speculative_algorithm or "").upper() in ("MFD", "MFD_D")
+    from mfd_sglang.serving.algorithms import ALGORITHMS
+
+    return str(get_spec().speculative_algorithm or "").upper() in ALGORITHMS
 
 
 def validate_request_around(original, req, *args, **kwargs):
@@ -59,11 +59,7 @@ def validate_request_around(original, req, *args, **kwargs):
 
 
 def install() -> None:
-    """Register the hook (idempotent per process); SGLang's load_plugins() applies it."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    """Register the hook (once per process); SGLang's load_plugins() applies it."""
+    from mfd_sglang.patches import register_once
 
-    HookRegistry.register(VALIDATE_DFLASH_REQUEST, validate_request_around, HookType.AROUND)
-    _installed = True
+    register_once(VALIDATE_DFLASH_REQUEST, validate_request_around, "around")

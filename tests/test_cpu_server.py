@@ -6,13 +6,13 @@ plugin's mfd_cpu backend. One server per backend."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import target_greedy
+from mfd_sglang.server_process import launch_command
 from servers import ServerProcess, chat_ids, chat_template_ids, completion_ids, free_port, generate_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,17 +27,10 @@ def server(request, tiny_pair, tmp_path_factory):
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
     env["HF_HUB_OFFLINE"] = "1"
-    cmd = [
-        sys.executable, "-m", "mfd_sglang.cpu.launch_server",
-        "--model-path", tiny_pair / "target",
-        *(["--attention-backend", request.param] if request.param != "launcher default" else []),
-        "--dtype", "float32",
-        "--host", "127.0.0.1", "--port", port,
-        "--max-total-tokens", USER_MAX_TOTAL_TOKENS,
-        "--context-length", "1024",
-        "--max-running-requests", "4",
-        "--log-level", "warning",
-    ]
+    backend = ["--attention-backend", request.param] if request.param != "launcher default" else []
+    cmd = launch_command(tiny_pair / "target", port=port, dtype="float32", extra_args=[
+        *backend, "--max-total-tokens", str(USER_MAX_TOTAL_TOKENS), "--context-length", "1024",
+        "--max-running-requests", "4", "--log-level", "warning"])
     srv = ServerProcess(cmd, log, port=port, env=env, cwd=REPO, startup_timeout=600)
     srv.backend = "mfd_cpu" if request.param == "launcher default" else request.param
     srv.start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import requests
 import torch
 
 from conftest import target_greedy
+from mfd_sglang.server_process import launch_command
 from servers import (ServerProcess, chat_ids, chat_template_ids, completion_ids, free_port, generate_ids,
                      log_tail)
 
@@ -45,15 +45,10 @@ def start_server(tmp_path_factory, tiny_pair, drafter: Path, algorithm: str, bud
     env.pop("MFD_SGLANG_SWITCH_THRESHOLD", None)
     if threshold is not None:
         env["MFD_SGLANG_SWITCH_THRESHOLD"] = str(threshold)
-    cmd = [
-        sys.executable, "-m", "mfd_sglang.cpu.launch_server",
-        "--model-path", tiny_pair / "target", "--dtype", "float32",
-        "--speculative-algorithm", algorithm, "--speculative-draft-model-path", drafter,
-        "--speculative-num-draft-tokens", budget + 1,
-        "--host", "127.0.0.1", "--port", port,
-        "--max-total-tokens", 4096, "--context-length", 1024,
-        "--max-running-requests", max_running, "--log-level", log_level,
-    ]
+    cmd = launch_command(tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter, budget=budget,
+                         dtype="float32", extra_args=[
+                             "--max-total-tokens", "4096", "--context-length", "1024",
+                             "--max-running-requests", str(max_running), "--log-level", log_level])
     return ServerProcess(cmd, log, port=port, env=env, cwd=REPO, startup_timeout=600).start()
 
 
@@ -202,9 +197,8 @@ def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
         extra, expected = ["--speculative-num-draft-tokens", "1"], "tree budget of 0"
     elif case == "page size":
         extra, expected = ["--page-size", "2"], "--page-size 2"
-    cmd = [sys.executable, "-m", "mfd_sglang.cpu.launch_server", "--model-path", str(tiny_pair / "target"),
-           "--speculative-algorithm", "MFD", "--speculative-draft-model-path", drafter, "--dtype", "float32",
-           "--port", str(free_port()), *extra]
+    cmd = launch_command(tiny_pair / "target", port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",
+                         extra_args=extra)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode != 0

@@ -46,6 +46,13 @@ from .options import budget_from_num_draft_tokens, read_options
 logger = logging.getLogger(__name__)
 
 
+def reserved_lens(batch) -> torch.Tensor:
+    """Host-side upper bounds [bs] of the committed lengths, known without a device sync: the KV
+    lengths reserved by the draft input's prepare_for_decode (else the host copy of seq_lens)."""
+    reserved = batch.spec_info.nxt_kv_lens_cpu
+    return reserved if reserved is not None else batch.seq_lens_cpu
+
+
 class MFDWorkerV2(BaseSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__()
@@ -193,9 +200,7 @@ class MFDWorkerV2(BaseSpecWorker):
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         if self.mode_attention_backend is not None:
             return self.context_pool.paged(req_to_token, batch.req_pool_indices, seq_lens, self.mode_attention_backend)
-        # Host-side bound on the context length: the reserved KV lengths (>= committed lengths).
-        reserved = batch.spec_info.nxt_kv_lens_cpu
-        width = int(reserved.max()) if reserved is not None else int(batch.seq_lens_cpu.max())
+        width = int(reserved_lens(batch).max())
         slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
         return self.context_pool.gather(slots, seq_lens)
 
@@ -209,8 +214,7 @@ class MFDWorkerV2(BaseSpecWorker):
         bs, num_nodes = seq_lens.shape[0], self.speculative_num_draft_tokens
         layout = tree_to_verify_layout(tree, roots, seq_lens)
         # Any upper bound on sum(seq_lens) sizes the flat mask; the cells are placed from seq_lens.
-        reserved = batch.spec_info.nxt_kv_lens_cpu
-        lens_sum = int(reserved.sum()) if reserved is not None else int(batch.seq_lens_sum)
+        lens_sum = int(reserved_lens(batch).sum())
         custom_mask = full_custom_mask(layout.ancestor_mask, seq_lens,
                                        num_nodes * lens_sum + bs * num_nodes * num_nodes)
         verify_input = EagleVerifyInput(
