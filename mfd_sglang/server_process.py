@@ -34,6 +34,10 @@ def log_tail(path: Path, n_chars: int = 6000) -> str:
     return text[-n_chars:]
 
 
+class PortInUse(RuntimeError):
+    pass
+
+
 class ServerProcess:
     def __init__(self, cmd: list[str], log_path: Path, *, port: int, env: dict | None = None,
                  cwd: str | Path | None = None, startup_timeout: float = 600.0):
@@ -47,19 +51,34 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self._log_file = None
 
-    def start(self) -> "ServerProcess":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.env, cwd=self.cwd, start_new_session=True,
-        )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, port_attempts: int = 3) -> "ServerProcess":
+        """Start and wait for /health. A port found free can be taken by another socket before the
+        server binds it (the HTTP server then logs EADDRINUSE and never answers): the server is then
+        restarted on a fresh port (the `--port` value of the command), up to `port_attempts` times."""
+        for attempt in range(port_attempts):
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "wb")
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, cwd=self.cwd, start_new_session=True,
+            )
+            try:
+                self._wait_healthy()
+                return self
+            except PortInUse:
+                self.stop()
+                if attempt == port_attempts - 1:
+                    raise
+                self._use_port(free_port())
+            except BaseException:
+                self.stop()
+                raise
         return self
+
+    def _use_port(self, port: int) -> None:
+        self.cmd[self.cmd.index("--port") + 1] = str(port)
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -75,7 +94,8 @@ class ServerProcess:
                 if requests.get(self.base_url + "/health", timeout=10).status_code == 200:
                     return
             except requests.RequestException:
-                pass
+                if "address already in use" in log_tail(self.log_path, 2000):
+                    raise PortInUse(f"port {self.port} was taken before the server bound it")
             time.sleep(1.0)
         raise TimeoutError(
             f"server did not answer /health within {self.startup_timeout:.0f} s\n"
