@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                  # on a GPU machine: the full check (< 10 min)
     python benchmarks/gpu_check.py --quick --device cpu   # smoke run of the script itself (CI)
+    python benchmarks/gpu_check.py --only round_cost      # some sections only
 
 Sections (each reports what it ran; parts not built yet are listed as such, never faked):
   env       versions (torch, triton, transformers, sglang if importable), device name
@@ -13,8 +14,14 @@ Sections (each reports what it ran; parts not built yet are listed as such, neve
             path), fp32 and bf16, max abs error
   attention_time  ms per drafter attention call, Triton vs the generic path: K=8, block 16, context 4K,
             32 query / 8 kv heads of 128 (Qwen3-4B-shaped drafter), bs {1,4,16} (target >= 1.5x)
-  pending   CUDA-graph verify rounds, the SGLang server step: not built yet
-Results go to benchmarks/results/gpu-check-<date>-<machine>.json.
+  round_cost one speculative round (draft + tree + verify + commit, each a CUDA graph) in plain decode
+            steps on a random Qwen3-4B-shaped target, bs {1,4,16}: MFD K=8 B=64, MFD_D, DDTree
+            (benchmarks/round_cost.py; target: MFD at bs 1 <= 1.45)
+  servers   real SGLang servers (plain, MFD, MFD_D; tree-verify and draft CUDA graphs on) on a random
+            Qwen3-4B-width target: greedy token ids must be identical (benchmarks/server_exactness.py);
+            skipped, with the reason, where sglang is not importable
+Results go to benchmarks/results/gpu-check-<date>-<machine>.json, rewritten after every section so that
+a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ import torch
 
 from mfd_sglang.mode_attention import mode_attention, random_inputs
 from mfd_sglang.tree import DraftTree, build_mixture_tree
-from tree_build import mean_ms, time_build  # benchmarks/ is on sys.path when this runs as a script
+# benchmarks/ is on sys.path when this runs as a script
+from round_cost import print_round_cost, round_cost_section
+from server_exactness import print_server_rows, server_section
+from tree_build import mean_ms, time_build
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PENDING = ["CUDA-graph draft + tree-verify rounds (MFD, MFD_D, DDTree)",
-           "SGLang server exactness (MFD, MFD_D vs plain)"]
 
 
 def environment(device: str) -> dict:
@@ -150,16 +158,29 @@ def time_mode_attention(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def check_servers(device: str, quick: bool) -> list[dict]:
+    """The SGLang server step; needs sglang and, on a GPU, its CUDA kernels (sgl-kernel)."""
+    try:
+        import sglang.srt.entrypoints.engine  # noqa: F401  (what a server imports first)
+    except Exception as exc:
+        raise SectionSkipped(f"sglang is not importable here ({type(exc).__name__}: {exc})") from None
+    return server_section(device, quick)
+
+
+class SectionSkipped(Exception):
+    """A section that cannot run on this machine; its reason goes into the report."""
+
+
 def print_table(report: dict) -> None:
     print("\n=== GPU check", report["date"], report["env"].get("gpu", report["env"]["device"]), "===")
-    tree = report["tree"]
+    tree = report.get("tree", [])
     ok = sum(r["identical"] for r in tree)
     print(f"tree kernel vs torch reference: {ok}/{len(tree)} identical")
     for r in tree:
         if not r["identical"]:
             print("  MISMATCH", r)
     print(f"\n{'bs':>3} {'B':>4} {'V':>7} {'torch ms':>10} {'triton ms':>10}")
-    for r in report["tree_time"]:
+    for r in report.get("tree_time", []):
         t, g = r.get("torch_ms"), r.get("triton_ms")
         print(f"{r['bs']:>3} {r['B']:>4} {r['V']:>7} {t if t is not None else '-':>10} {g if g is not None else '-':>10}")
     attention = report.get("attention", [])
@@ -169,7 +190,14 @@ def print_table(report: dict) -> None:
             print("  MISMATCH", r)
     for r in report.get("attention_time", []):
         print(f"  bs {r['bs']:>2}: torch {r['torch_ms']} ms, triton {r['triton_ms']} ms, {r['speedup']}x")
-    print("\nnot built yet:", "; ".join(report["pending"]))
+    if report.get("round_cost"):
+        print_round_cost(report["round_cost"])
+    if report.get("servers"):
+        print_server_rows(report["servers"])
+    for section in SECTIONS:
+        for suffix in ("skipped", "error"):
+            if f"{section}_{suffix}" in report:
+                print(f"\n{section} {suffix.upper()}: {report[f'{section}_{suffix}'].strip().splitlines()[-1]}")
 
 
 def main() -> None:
@@ -177,25 +205,34 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run of the script)")
     parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/gpu-check-<date>-<machine>.json)")
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run these sections only")
     args = parser.parse_args()
     date = dt.date.today().isoformat()
     report = {"date": date, "command": "python benchmarks/gpu_check.py" + (" --quick" if args.quick else ""),
-              "env": environment(args.device), "pending": PENDING}
-    for section, fn in (("tree", check_tree_kernel), ("tree_time", time_tree_build),
-                        ("attention", check_mode_attention), ("attention_time", time_mode_attention)):
+              "env": environment(args.device)}
+    out = args.out or RESULTS / f"gpu-check-{date}-{report['env'].get('gpu', args.device).replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for section, fn in SECTIONS.items():
+        if args.only and section not in args.only:
+            continue
         start = time.perf_counter()
+        print(f"[gpu_check] {section} ...", flush=True)
         try:
             report[section] = fn(args.device, args.quick)
+        except SectionSkipped as skipped:
+            report[section] = []
+            report[f"{section}_skipped"] = str(skipped)
         except Exception:
             report[section] = []
             report[f"{section}_error"] = traceback.format_exc()
         report[f"{section}_seconds"] = round(time.perf_counter() - start, 1)
-    out = args.out or RESULTS / f"gpu-check-{date}-{report['env'].get('gpu', args.device).replace(' ', '_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+        out.write_text(json.dumps(report, indent=1) + "\n")
     print_table(report)
     print(f"\nwrote {out}")
 
+
+SECTIONS = {"tree": check_tree_kernel, "tree_time": time_tree_build, "attention": check_mode_attention,
+            "attention_time": time_mode_attention, "round_cost": round_cost_section, "servers": check_servers}
 
 if __name__ == "__main__":
     main()

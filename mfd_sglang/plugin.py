@@ -4,8 +4,9 @@ SGLang calls `register()` once per process (launcher, scheduler, detokenizer) be
 arguments, so what is registered here is known everywhere:
   - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.algorithms`);
   - their HookRegistry hooks: the drafter-path check before SGLang reads the drafter
-    (`mfd_sglang.patches.launch_checks`) and the per-request checks
-    (`mfd_sglang.patches.request_checks`);
+    (`mfd_sglang.patches.launch_checks`), the per-request checks
+    (`mfd_sglang.patches.request_checks`) and the tree-verify CUDA-graph runner
+    (`mfd_sglang.patches.verify_graph`);
   - the `mfd_cpu` attention backend (plain torch, for CPU-only machines; `mfd_sglang.cpu.attention`);
   - the CPU HookRegistry hooks, when `python -m mfd_sglang.cpu.launch_server` started the process
     tree (`MFD_SGLANG_CPU=1`); SGLang applies hooks per process, so they are registered again in
@@ -25,7 +26,7 @@ def register() -> None:
     from . import __version__
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
-    from .patches import launch_checks, request_checks
+    from .patches import launch_checks, request_checks, verify_graph
 
     try:
         from .serving.algorithms import register_algorithms
@@ -37,6 +38,7 @@ def register() -> None:
         raise
     launch_checks.install()
     request_checks.install()
+    verify_graph.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()
     logger.debug("mfd_sglang %s plugin: algorithms %s, attention backend %r, CPU hooks %s", __version__,

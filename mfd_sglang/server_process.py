@@ -156,6 +156,4 @@ def launch_command(target, *, port: int, algorithm: str | None = None, drafter=N
         cmd += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(drafter)]
         if budget is not None:
             cmd += ["--speculative-num-draft-tokens", str(budget + 1)]
-        if device != "cpu":
-            cmd += ["--cuda-graph-backend-decode=disabled"]
     return cmd + list(extra_args)

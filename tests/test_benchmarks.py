@@ -34,4 +34,10 @@ def test_gpu_check_script_runs_and_records_json(tmp_path):
     assert report["tree"] and all(row["identical"] for row in report["tree"]), report["tree"]
     assert report["tree_time"] and all(row["torch_ms"] > 0 for row in report["tree_time"])
     assert report["attention"] and all(row["ok"] for row in report["attention"]), report["attention"]
-    assert "not built yet" in proc.stdout and str(out) in proc.stdout
+    assert report["round_cost"] and all(row["round_cost"] > 0 for row in report["round_cost"]), report
+    assert {row["config"] for row in report["round_cost"]} == {"mfd", "mfd_d", "ddtree"}
+    assert all(row["graph_equals_eager"] for row in report["round_cost"])
+    # Real CPU servers on a random target: MFD and MFD_D emit the plain server's tokens.
+    assert [row["server"] for row in report["servers"]] == ["MFD", "MFD_D"], report.get("servers_error")
+    assert all(row["exact"] for row in report["servers"]), report["servers"]
+    assert str(out) in proc.stdout

@@ -185,7 +185,7 @@ def test_returned_logprobs_are_refused(mfd_d_server):
 
 
 # --- launch-time errors -----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "page size"])
+@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "page size", "attention backend"])
 def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
     drafter = str(tiny_pair / "drafter")
     extra, expected = [], ""
@@ -197,6 +197,8 @@ def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
         extra, expected = ["--speculative-num-draft-tokens", "1"], "tree budget of 0"
     elif case == "page size":
         extra, expected = ["--page-size", "2"], "--page-size 2"
+    elif case == "attention backend":  # no TARGET_VERIFY tree mask there
+        extra, expected = ["--attention-backend", "torch_native"], "MFD on CPU needs --attention-backend mfd_cpu"
     cmd = launch_command(tiny_pair / "target", port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",
                          extra_args=extra)
     env = dict(os.environ, HF_HUB_OFFLINE="1")

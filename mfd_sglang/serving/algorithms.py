@@ -94,13 +94,50 @@ def resolve_server_args(server_args) -> None:
         server_args.disable_overlap_schedule = True
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 48
-    if not server_args.disable_cuda_graph:
-        # SGLang's decode graph runner builds a DFlash verify input WITHOUT the tree mask for
-        # DFlash-family algorithms; replaying it for a tree verify would be silently wrong. MFD's
-        # own graph capture is not built yet, so the target runs eagerly.
-        logger.warning("MFD: CUDA graphs are disabled (the tree-verify graph is not built yet).")
-        server_args.disable_cuda_graph = True
+    resolve_attention_backend(server_args)
 
+
+# Attention backends that apply a custom mask to a TARGET_VERIFY whose spec input says top-k 1 (MFD's
+# tree verify): FlashInfer and Triton read the mask of any EAGLE verify input; FA3 / FA4 / TRT-LLM
+# take top-k 1 for a chain and attend causally, which would accept wrong tokens without an error.
+TREE_VERIFY_ATTENTION_BACKENDS = {"cuda": ("flashinfer", "triton"), "cpu": ("mfd_cpu", "triton")}
+# The same backends by class, for the check on the model runner's instantiated backend.
+TREE_VERIFY_ATTENTION_CLASSES = ("FlashInferAttnBackend", "TritonAttnBackend", "CpuSdpaAttnBackend")
+
+
+def resolve_attention_backend(server_args) -> None:
+    """SGLang has already picked the attention backends when the algorithm's hook runs (on Hopper
+    often fa3). On a GPU, switch to FlashInfer when they cannot verify a tree; on a CPU refuse."""
+    device = "cpu" if str(server_args.device) == "cpu" else "cuda"
+    supported = TREE_VERIFY_ATTENTION_BACKENDS[device]
+    chosen = {flag: getattr(server_args, field, None) for flag, field in (
+        ("--attention-backend", "attention_backend"), ("--prefill-attention-backend", "prefill_attention_backend"),
+        ("--decode-attention-backend", "decode_attention_backend"))}
+    wrong = {flag: value for flag, value in chosen.items() if value is not None and value not in supported}
+    if not wrong and any(value is not None for value in chosen.values()):
+        return
+    if device == "cpu":
+        raise ValueError("MFD on CPU needs --attention-backend mfd_cpu (python -m mfd_sglang.cpu.launch_server "
+                         f"sets it) or triton; got {wrong or 'none'}.")
+    if wrong:
+        logger.warning("MFD: attention backend %s cannot verify a tree (it treats a top-k 1 verify as a "
+                       "chain); using flashinfer instead. Pass --attention-backend flashinfer or triton to "
+                       "silence this.", ", ".join(f"{f} {v}" for f, v in wrong.items()))
+    server_args.attention_backend = "flashinfer"
+    server_args.prefill_attention_backend = None
+    server_args.decode_attention_backend = None
+
+
+def check_tree_verify_attention(attn_backend) -> None:
+    """RuntimeError unless the target's instantiated attention backend applies the tree mask (the
+    last line of defence if a launch path skipped `resolve_attention_backend`)."""
+    from sglang.srt.speculative.dflash_utils import resolve_dflash_verify_mask_policy
+
+    name, _ = resolve_dflash_verify_mask_policy(attn_backend)
+    if name not in TREE_VERIFY_ATTENTION_CLASSES:
+        raise RuntimeError(f"MFD cannot verify its tree with the {name} attention backend (it ignores the "
+                           "tree mask of a top-k 1 verify). Start the server with --attention-backend "
+                           "flashinfer (GPU), triton, or mfd_cpu (CPU).")
 
 def _unsupported(server_args) -> list[str]:
     problems = []
@@ -120,6 +157,9 @@ def _unsupported(server_args) -> list[str]:
         problems.append("--enable-hierarchical-cache (HiCache) is not supported")
     if getattr(server_args, "speculative_draft_window_size", None) is not None:
         problems.append("--speculative-draft-window-size is not supported")
+    if str(getattr(server_args, "device", "")) == "cpu" and getattr(server_args, "enable_torch_compile", False):
+        problems.append("--enable-torch-compile on CPU: SGLang's CPU graph runner captures no tree mask "
+                        "(drop the flag)")
     if getattr(server_args, "speculative_adaptive", False):
         problems.append("--speculative-adaptive is not supported")
     return problems

@@ -8,8 +8,10 @@ Each decode round, with no host sync on a device:
   draft   the drafter fills a block `[last token, MASK...]` for its K modes in one forward over the
           committed context (MFD_D: the single-mode path while >= threshold requests run);
   tree    `build_mixture_tree` keeps the B best prefixes over all modes (Triton kernel on CUDA);
+          on CUDA draft + tree replay as one CUDA graph per batch-size bucket and mode path;
   verify  the root and the B nodes go through SGLang's tree-verify forward
-          (`eagle_prepare_for_verify`: FULL_MASK custom mask, TARGET_VERIFY, full vocabulary), then
+          (`eagle_prepare_for_verify`: FULL_MASK custom mask, TARGET_VERIFY, full vocabulary; a
+          replay of the target's tree-verify CUDA graph, `mfd_sglang.serving.verify_graph`), then
           `verify_tree_greedy` / `verify_tree_sampling` (one target sample per node: lossless at
           any temperature, with top-k / top-p) pick the longest agreed path and the bonus token;
   commit  SGLang's `move_accept_tokens_to_target_kvcache` moves the path's target KV to the front
@@ -35,11 +37,13 @@ from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from mfd_sglang.checkpoint import load_drafter
+from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.tree_layout import full_custom_mask, tree_to_verify_layout
 from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy, verify_tree_sampling
 
+from .algorithms import check_tree_verify_attention
 from .draft_context_pool import DraftContextPool
 from .options import budget_from_num_draft_tokens, read_options
 
@@ -89,6 +93,7 @@ class MFDWorkerV2(BaseSpecWorker):
         self.embed_weight = target.get_input_embeddings().weight[:vocab]
         self.lm_head_weight = target.lm_head.weight[:vocab]
         self.context_pool: DraftContextPool | None = None
+        self.draft_graphs: BatchGraphs | None = None
         cfg = self.drafter.cfg
         logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d), tree budget %d, "
                     "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm.name,
@@ -108,14 +113,31 @@ class MFDWorkerV2(BaseSpecWorker):
         return None
 
     def init_attention_backends(self):
-        # Called once the target's KV pool exists: the drafter context pool mirrors its slots.
+        # Called once the target's KV pool and attention backend exist: the drafter context pool
+        # mirrors its slots, and the backend must apply the tree mask.
+        check_tree_verify_attention(self.model_runner.attn_backend)
         kv_pool = self.model_runner.token_to_kv_pool
         num_slots = kv_pool.size + kv_pool.page_size
         self.context_pool = DraftContextPool(self.drafter, num_slots, device=self.device,
                                              dtype=self.model_runner.model_config.dtype)
 
     def init_cuda_graphs(self):
-        return None
+        """Capture draft + tree at every batch-size bucket (and both MFD_D paths). Only the paged
+        context (mode attention in Triton) has fixed shapes; sliding-window drafters run eagerly."""
+        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+
+        if (self.mode_attention_backend != "triton" or self.server_args.disable_cuda_graph
+                or check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)):
+            return
+        max_bs = int(self.server_args.max_running_requests or 48)
+
+        def example_inputs(bs: int):  # also the pad rows: token 0, empty context, request slot 0
+            return [torch.zeros(bs, dtype=torch.int64, device=self.device) for _ in range(3)]
+
+        self.draft_graphs = BatchGraphs(self.draft_paged_tree, example_inputs, default_buckets(max_bs), use_graph=True)
+        with torch.inference_mode():
+            self.draft_graphs.capture_all(keys=(False, True) if self.switch_threshold is not None else (False,))
+        logger.info("MFD: draft + tree CUDA graphs captured for batch sizes %s", self.draft_graphs.buckets)
 
     def clear_cache_pool(self):
         pass
@@ -159,8 +181,7 @@ class MFDWorkerV2(BaseSpecWorker):
             logger.info("MFD_D: %d running requests, switching to the %s path", len(batch.reqs),
                         "single-mode" if single_mode else f"{self.drafter.mode_embed.shape[0]}-mode")
 
-        logprobs = self.draft(batch, roots, seq_lens, single_mode)
-        tree = self.build_tree(logprobs)
+        tree = self.draft_tree(batch, roots, seq_lens, single_mode)
         verify_batch, forward_batch, output = self.verify(batch, tree, roots, seq_lens)
         result = self.accept(tree, output.logits_output.next_token_logits, batch.sampling_info, seq_lens.shape[0])
         self.commit(verify_batch, result, output.logits_output.hidden_states, seq_lens)
@@ -184,25 +205,35 @@ class MFDWorkerV2(BaseSpecWorker):
         )
 
     # --- the stages of a round ------------------------------------------------------------------
-    def draft(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor, single_mode: bool) -> torch.Tensor:
+    def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor, single_mode: bool) -> DraftTree:
+        """draft + tree: a CUDA-graph replay when captured for this batch size, else eager; the
+        context is read in place (mode attention), or for drafters with sliding-window layers
+        copied into a padded DraftContext."""
+        if self.draft_graphs is not None and seq_lens.shape[0] <= self.draft_graphs.max_bs:
+            return self.draft_graphs(roots, seq_lens, batch.req_pool_indices, key=single_mode)
+        if self.mode_attention_backend is not None:
+            return self.draft_paged_tree(roots, seq_lens, batch.req_pool_indices, key=single_mode)
+        width = int(reserved_lens(batch).max())
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
+        return self.build_tree(self.draft(roots, seq_lens, self.context_pool.gather(slots, seq_lens), single_mode))
+
+    def draft(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, single_mode: bool) -> torch.Tensor:
         """Drafter log-probs [bs, K, D, Vd] of the blocks `[root, MASK...]` at positions seq_lens.."""
         block = self.drafter.cfg.block_size
         tokens = torch.full((roots.shape[0], block), self.drafter.cfg.mask_token_id, device=roots.device)
         tokens[:, 0] = roots
         positions = seq_lens[:, None].long() + torch.arange(block, device=roots.device)
-        context = self.draft_context(batch, seq_lens)
         hidden = self.drafter(self.embed_weight[tokens], positions, context, single_mode=single_mode)
         return self.drafter.logprobs(hidden, self.lm_head_weight)
 
-    def draft_context(self, batch, seq_lens: torch.Tensor):
-        """The committed context, read in place through the KV slot table (mode attention), or for
-        drafters with sliding-window layers copied into a padded DraftContext."""
+    def draft_paged_tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, *,
+                         key: bool) -> DraftTree:
+        """draft + tree over the context read in place: fixed shapes, what the CUDA graphs replay
+        (key: the single-mode path)."""
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        if self.mode_attention_backend is not None:
-            return self.context_pool.paged(req_to_token, batch.req_pool_indices, seq_lens, self.mode_attention_backend)
-        width = int(reserved_lens(batch).max())
-        slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
-        return self.context_pool.gather(slots, seq_lens)
+        context = self.context_pool.paged(req_to_token, req_pool_indices, seq_lens, self.mode_attention_backend)
+        return self.build_tree(self.draft(roots, seq_lens, context, key))
 
     def build_tree(self, logprobs: torch.Tensor) -> DraftTree:
         tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)
@@ -234,12 +265,9 @@ class MFDWorkerV2(BaseSpecWorker):
         )
         verify_batch = copy.copy(batch)
         verify_batch.spec_info = verify_input
-        forward_batch, graph = eagle_prepare_for_verify(verify_input, self.model_runner.req_to_token_pool,
-                                                        verify_batch, self.target_worker)
-        if graph:
-            # SGLang's decode graphs for DFlash-family algorithms carry no tree mask.
-            raise RuntimeError("MFD tree verify would replay a CUDA graph captured without the tree mask. "
-                               "Start the server with --cuda-graph-backend-decode=disabled.")
+        # The target's decode graphs are captured as tree verifies (patches/verify_graph.py).
+        forward_batch, _ = eagle_prepare_for_verify(verify_input, self.model_runner.req_to_token_pool,
+                                                    verify_batch, self.target_worker)
         output = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
                                                              is_verify=True)
         return verify_batch, forward_batch, output

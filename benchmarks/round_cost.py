@@ -1,0 +1,355 @@
+"""Round cost: one speculative round (draft + tree + verify + commit) in plain decode steps.
+
+    python benchmarks/gpu_check.py --only round_cost                      # on a GPU: Qwen3-4B shapes, bf16, CUDA graphs
+    python benchmarks/gpu_check.py --only round_cost --quick --device cpu # tiny shapes, fp32, eager, same buffers
+
+A Qwen3-shaped target with random weights and static buffers (KV cache [layers, bs, kv_heads,
+max_len, head_dim], bool masks over the whole static length), so every step has fixed shapes and
+is captured as a CUDA graph. Random weights accept ~nothing, but the cost of a round does not
+depend on what it accepts: every shape is fixed. Configs (B = 64 tree nodes): MFD (K = 8 modes),
+MFD_D (the single-mode path of the same drafter, K' = 1) and DDTree (a K = 1 drafter).
+Stages are captured as separate graphs, replayed back to back for a round and one by one for the
+per-stage breakdown. Target (issue): MFD at bs = 1 costs at most 1.45 decode steps per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mfd_sglang.checkpoint import parse_drafter_config
+from mfd_sglang.cuda_graph import capture
+from mfd_sglang.drafter import MFDDrafter, apply_rope, rms_norm, rope_cos_sin
+from mfd_sglang.serving.draft_context_pool import DraftContextPool
+from mfd_sglang.tree import DraftTree, build_mixture_tree
+from mfd_sglang.tree_layout import tree_ancestor_mask
+from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy
+from tree_build import mean_ms  # benchmarks/ is on sys.path when this runs as a script
+
+BUDGET = 64
+STAGES = ("draft", "tree", "verify", "commit")
+CONFIGS = {"mfd": (8, False), "mfd_d": (8, True), "ddtree": (1, False)}  # name: (drafter modes, single_mode)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rope_theta: float
+    rms_eps: float
+    draft_layers: int  # the drafter built for this target: its layer count = target layers it reads
+    block_size: int
+
+    @classmethod
+    def qwen3_4b(cls) -> "TargetConfig":
+        return cls(2560, 36, 32, 8, 128, 9728, 151936, 1e6, 1e-6, draft_layers=5, block_size=16)
+
+    @classmethod
+    def tiny(cls) -> "TargetConfig":
+        return cls(64, 6, 4, 2, 16, 128, 128, 1e4, 1e-6, draft_layers=2, block_size=8)
+
+
+def spread_layer_ids(num_layers: int, count: int) -> list[int]:
+    """DFlash's choice of target layers: evenly from 1 to num_layers - 3 (Qwen3-4B: 1, 9, 17, 25, 33)."""
+    return [round(1 + i * (num_layers - 4) / (count - 1)) for i in range(count)]
+
+
+def grouped_attention(q, k_cache, v_cache, visible):
+    """q [bs, T, heads, hd] over a whole static cache [bs, kv_heads, L, hd] under visible [bs, T, L].
+    Each kv head's query group is folded into the query length, so SDPA needs no GQA support and can
+    take its masked memory-efficient kernel."""
+    bs, t, heads, hd = q.shape
+    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    q = q.view(bs, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, group * t, hd)
+    mask = visible[:, None, None].expand(bs, 1, group, t, length).reshape(bs, 1, group * t, length)
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
+    return out.reshape(bs, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(bs, t, heads * hd)
+
+
+class StaticTarget:
+    """A Qwen3 decoder in plain torch: random weights from a seed, a static KV cache (`allocate`)."""
+
+    def __init__(self, cfg: TargetConfig, device: str, dtype: torch.dtype, seed: int = 0):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        gen = torch.Generator(device).manual_seed(seed)
+
+        def weight(*shape, std):  # made on the device: a 4B model would take minutes on the host
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * std
+
+        def linear(out_features, in_features):
+            return weight(out_features, in_features, std=in_features ** -0.5)
+
+        c, ones = cfg, lambda n: torch.ones(n, device=device, dtype=dtype)
+        self.embed = weight(c.vocab, c.hidden, std=0.02)  # logits of std ~1 through the tied lm_head
+        self.lm_head = self.embed  # Qwen3-4B ties its embeddings
+        self.layers = [dict(
+            attn_norm=ones(c.hidden), mlp_norm=ones(c.hidden), q_norm=ones(c.head_dim), k_norm=ones(c.head_dim),
+            qkv=linear((c.heads + 2 * c.kv_heads) * c.head_dim, c.hidden), o=linear(c.hidden, c.heads * c.head_dim),
+            gate_up=linear(2 * c.intermediate, c.hidden), down=linear(c.hidden, c.intermediate),
+        ) for _ in range(c.layers)]
+        self.norm = ones(c.hidden)
+        self.feature_layers = spread_layer_ids(c.layers, c.draft_layers)
+
+    def allocate(self, bs: int, max_len: int) -> None:
+        max_len = -(-max_len // 16) * 16  # SDPA's masked kernels want the key length aligned
+        shape = (self.cfg.layers, bs, self.cfg.kv_heads, max_len, self.cfg.head_dim)
+        self.k_cache = self.v_cache = None  # free the old cache first
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.slots = torch.arange(max_len, device=self.device)
+
+    def forward(self, tokens, positions, visible, write_slots):
+        """tokens, positions, write_slots [bs, T]; visible [bs, T, max_len] over cache slots (after this
+        step's K/V are written). Returns the final-normed hidden states [bs, T, H] and the drafter's
+        features [bs, T, n * H]: outputs of the feature layers (HF hidden_states[i + 1])."""
+        c, (bs, t) = self.cfg, tokens.shape
+        cos, sin = (x[:, :, None] for x in rope_cos_sin(positions, c.head_dim, c.rope_theta, self.dtype))
+        index = write_slots[:, None, :, None].expand(bs, c.kv_heads, t, c.head_dim)
+        x, features = self.embed[tokens], []
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w["attn_norm"], c.rms_eps)
+            q, k, v = F.linear(h, w["qkv"]).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
+                                                   c.kv_heads * c.head_dim], dim=-1)
+            q = apply_rope(rms_norm(q.view(bs, t, c.heads, c.head_dim), w["q_norm"], c.rms_eps), cos, sin)
+            k = apply_rope(rms_norm(k.view(bs, t, c.kv_heads, c.head_dim), w["k_norm"], c.rms_eps), cos, sin)
+            self.k_cache[i].scatter_(2, index, k.transpose(1, 2))
+            self.v_cache[i].scatter_(2, index, v.view(bs, t, c.kv_heads, c.head_dim).transpose(1, 2))
+            x = x + F.linear(grouped_attention(q, self.k_cache[i], self.v_cache[i], visible), w["o"])
+            gate, up = F.linear(rms_norm(x, w["mlp_norm"], c.rms_eps), w["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["down"])
+            if i in self.feature_layers:
+                features.append(x)
+        return rms_norm(x, self.norm, c.rms_eps), torch.cat(features, dim=-1)
+
+    def prefill(self, tokens):
+        """Prompts [bs, P] into cache slots 0..P-1; returns the last logits [bs, V] and features [bs, P, n*H]."""
+        bs, p = tokens.shape
+        positions = self.slots[:p].expand(bs, p)
+        visible = (self.slots[None, None, :] <= self.slots[:p, None]).expand(bs, p, -1)
+        hidden, features = self.forward(tokens, positions, visible, positions)
+        return hidden[:, -1] @ self.lm_head.T, features
+
+    def decode(self, tokens, cache_lens):
+        """One token per request at slot (and position) cache_lens; returns logits [bs, V]."""
+        ones = torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool, device=tokens.device)
+        return self.verify(tokens[:, None], cache_lens[:, None], ones, cache_lens)[0][:, 0]
+
+    def verify(self, tokens, positions, ancestor_mask, cache_lens):
+        """N tree tokens per request into slots cache_lens..cache_lens+N-1; each sees the committed
+        prefix and its tree ancestors. Returns logits [bs, N, V] and features [bs, N, n*H]."""
+        n = tokens.shape[1]
+        offset = self.slots[None, :] - cache_lens[:, None]  # [bs, max_len] slot - start of the window
+        in_tree = ancestor_mask.gather(2, offset.clamp(0, n - 1)[:, None, :].expand(-1, n, -1))
+        visible = (offset < 0)[:, None, :] | (in_tree & (offset < n)[:, None, :])
+        hidden, features = self.forward(tokens, positions, visible, cache_lens[:, None] + self.slots[:n])
+        return hidden @ self.lm_head.T, features
+
+    def commit(self, path, cache_lens) -> None:
+        """path [bs, W]: window indices of the kept tokens (root first); their K/V move to the window's
+        front, rows cache_lens + 0..W-1 (rows past a request's accepted length are junk, masked)."""
+        _, bs, kv_heads, _, hd = self.k_cache.shape
+        expand = lambda slots: slots[None, :, None, :, None].expand(self.cfg.layers, bs, kv_heads, -1, hd)
+        source, dest = expand(cache_lens[:, None] + path), expand(cache_lens[:, None] + self.slots[:path.shape[1]])
+        for cache in (self.k_cache, self.v_cache):
+            cache.scatter_(3, dest, cache.gather(3, source))  # gather copies first: windows may overlap
+
+
+def drafter_raw_config(c: TargetConfig, target_layer_ids: list[int], num_modes: int) -> dict:
+    """config.json of a DFlash/MFD drafter shaped like the target's layers (Qwen3-4B: 5 x 2560, block 16)."""
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": c.hidden, "num_hidden_layers": c.draft_layers, "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "intermediate_size": c.intermediate,
+        "vocab_size": c.vocab, "rope_theta": c.rope_theta, "rms_norm_eps": c.rms_eps, "block_size": c.block_size,
+        "dflash_config": {"mask_token_id": c.vocab - 1, "target_layer_ids": list(target_layer_ids)},
+        "mfd_config": {"num_modes": num_modes, "default_mode": 0},
+    }
+
+
+def random_drafter(c: TargetConfig, target_layer_ids: list[int], num_modes: int, seed: int, device,
+                   dtype: torch.dtype) -> MFDDrafter:
+    """A drafter with random weights for a target of config c (made on the device)."""
+    cfg = parse_drafter_config(drafter_raw_config(c, target_layer_ids, num_modes))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        drafter = MFDDrafter(cfg, context_features=len(target_layer_ids) * c.hidden)
+    drafter.requires_grad_(False)
+    if num_modes > 1:  # distinct modes, on the scale of the embeddings they are added to
+        drafter.mode_embed.normal_(0.0, 0.02)
+    return drafter.to(dtype).eval()
+
+
+class SpecRound:
+    """One speculative round over static buffers, a function per stage (each is captured alone)."""
+
+    def __init__(self, target: StaticTarget, drafter: MFDDrafter, *, budget: int, single_mode: bool,
+                 tree_backend: str):
+        self.target, self.drafter, self.budget = target, drafter, budget
+        self.single_mode, self.tree_backend = single_mode, tree_backend
+        bs, max_len = target.k_cache.shape[1], target.slots.shape[0]
+        # The drafter's context K/V as in the SGLang worker: a pool indexed by KV slot (here request
+        # b's position p is slot b * max_len + p), read in place by the mode attention (the fused
+        # Triton kernel on CUDA, its torch reference elsewhere).
+        self.context = DraftContextPool(drafter, bs * max_len, device=target.device, dtype=target.dtype)
+        self.req_to_token = torch.arange(bs * max_len, device=target.device, dtype=torch.int32).view(bs, max_len)
+        self.requests = torch.arange(bs, device=target.device)
+        self.attention_backend = "triton" if str(target.device).startswith("cuda") else "torch"
+
+    def write_context(self, features, positions) -> None:
+        """Drafter context K/V of target features [bs, T, n*H] at positions [bs, T]."""
+        slots = self.req_to_token.gather(1, positions).long()
+        self.context.write(self.drafter, features.flatten(0, 1), positions.flatten(), slots.flatten())
+
+    def prefill(self, prompts):
+        """Returns the first roots (the target's token after each prompt) and cache_lens [bs]."""
+        logits, features = self.target.prefill(prompts)
+        self.write_context(features, self.target.slots[: prompts.shape[1]].expand_as(prompts))
+        return logits.argmax(-1), torch.full_like(logits[:, 0], prompts.shape[1], dtype=torch.long)
+
+    def draft(self, roots, cache_lens):
+        """Log-probs [bs, K', D, V] of the blocks `[root, MASK x D]` at positions cache_lens.."""
+        block = self.drafter.cfg.block_size
+        tokens = torch.full((roots.shape[0], block), self.drafter.cfg.mask_token_id, device=roots.device)
+        tokens[:, 0] = roots
+        positions = cache_lens[:, None] + self.target.slots[:block]
+        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.attention_backend)
+        hidden = self.drafter(self.target.embed[tokens], positions, context, single_mode=self.single_mode)
+        return self.drafter.logprobs(hidden, self.target.lm_head)
+
+    def tree(self, logprobs) -> DraftTree:
+        tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)
+        tree.tokens = self.drafter.to_target_ids(tree.tokens)
+        return tree
+
+    def verify(self, tree: DraftTree, roots, cache_lens):
+        """The target over [root, tree nodes] in one pass, and the greedy walk of the tree."""
+        tokens = torch.cat([roots[:, None], tree.tokens], dim=1)
+        depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+        logits, features = self.target.verify(tokens, cache_lens[:, None] + depths, tree_ancestor_mask(tree),
+                                              cache_lens)
+        return verify_tree_greedy(tree, logits), features
+
+    def commit(self, result: TreeVerifyResult, features, cache_lens):
+        """Root + accepted nodes into the target cache and the drafter context; returns the next
+        roots (the bonus tokens) and cache_lens."""
+        width = min(self.drafter.cfg.block_size, self.budget + 1)  # root + the longest possible path
+        path = result.accepted_local_indices[:, : width - 1].clamp(min=0)  # -1 (none) -> junk row 0
+        path = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)
+        self.target.commit(path, cache_lens)
+        kept = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))
+        self.write_context(kept, cache_lens[:, None] + self.target.slots[:width])
+        return result.bonus_tokens.clone(), cache_lens + result.accept_lens
+
+
+@dataclass
+class RoundGraphs:
+    replays: dict  # stage -> replay()
+    logprobs: torch.Tensor
+    tree: DraftTree
+    result: TreeVerifyResult
+    next_roots: torch.Tensor
+    next_lens: torch.Tensor
+
+    def replay_round(self) -> None:
+        for stage in STAGES:
+            self.replays[stage]()
+
+
+def capture_round(spec: SpecRound, roots, cache_lens, *, use_graph: bool) -> RoundGraphs:
+    """Capture each stage over the previous one's static outputs. A round leaves its inputs (roots,
+    cache_lens) alone, so replays repeat the same round; copy next_* into them to move on. Each stage
+    is replayed once before the next capture, which would otherwise read never-computed outputs."""
+    replays = {}
+    replays["draft"], logprobs = capture(spec.draft, roots, cache_lens, use_graph=use_graph)
+    replays["draft"]()
+    replays["tree"], tree = capture(spec.tree, logprobs, use_graph=use_graph)
+    replays["tree"]()
+    replays["verify"], (result, features) = capture(spec.verify, tree, roots, cache_lens, use_graph=use_graph)
+    replays["verify"]()
+    replays["commit"], (next_roots, next_lens) = capture(spec.commit, result, features, cache_lens,
+                                                         use_graph=use_graph)
+    return RoundGraphs(replays, logprobs, tree, result, next_roots, next_lens)
+
+
+def graphs_match_eager(spec: SpecRound, graphs: RoundGraphs, roots, cache_lens) -> bool:
+    """The replayed draft / tree / verify stages give the tree and accepted path the same stages give
+    when run eagerly (the verify rewrites the same window K/V either way)."""
+    for stage in STAGES[:3]:
+        graphs.replays[stage]()
+    tree = spec.tree(spec.draft(roots, cache_lens))
+    result, _ = spec.verify(tree, roots, cache_lens)
+    return torch.equal(tree.tokens, graphs.tree.tokens) and torch.equal(result.accepted_tokens,
+                                                                        graphs.result.accepted_tokens)
+
+
+def capture_decode_step(target: StaticTarget, roots, cache_lens, *, use_graph: bool):
+    """The plain autoregressive step (one token per request, greedy): the unit of round cost."""
+    return capture(lambda tokens, lens: target.decode(tokens, lens).argmax(-1), roots, cache_lens,
+                   use_graph=use_graph)
+
+
+def replay_ms(replay, device: str, repeats: int) -> float:
+    """Mean ms of replay(): CUDA events on a GPU (the host only enqueues), wall clock elsewhere."""
+    if not device.startswith("cuda"):
+        return mean_ms(replay, device, repeats)
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def round_cost_section(device: str, quick: bool) -> list[dict]:
+    """Round cost of MFD, MFD_D and DDTree at B = 64 for bs 1, 4, 16 (quick: tiny shapes, bs 1, 2)."""
+    cfg = TargetConfig.tiny() if quick else TargetConfig.qwen3_4b()
+    use_graph = device.startswith("cuda")
+    dtype = torch.bfloat16 if use_graph and not quick else torch.float32
+    batch_sizes, prompt_len, repeats = ((1, 2), 16, 5) if quick else ((1, 4, 16), 512, 20)
+    target = StaticTarget(cfg, device, dtype, seed=0)
+    drafters = {modes: random_drafter(cfg, target.feature_layers, modes, seed=modes, device=device, dtype=dtype)
+                for modes in {m for m, _ in CONFIGS.values()}}
+    gen = torch.Generator(device).manual_seed(1)
+    rows = []
+    for bs in batch_sizes:
+        # Replays do not advance, so the cache only holds the prompt plus one verify window.
+        target.allocate(bs, prompt_len + BUDGET + 1)
+        prompts = torch.randint(0, cfg.vocab, (bs, prompt_len), generator=gen, device=device)
+        for name, (modes, single_mode) in CONFIGS.items():
+            spec = SpecRound(target, drafters[modes], budget=BUDGET, single_mode=single_mode,
+                             tree_backend="triton" if use_graph else "torch")
+            roots, cache_lens = spec.prefill(prompts)
+            ar_step, _ = capture_decode_step(target, roots, cache_lens, use_graph=use_graph)
+            graphs = capture_round(spec, roots, cache_lens, use_graph=use_graph)
+            ar_ms = replay_ms(ar_step, device, repeats)
+            round_ms = replay_ms(graphs.replay_round, device, repeats)
+            stage_ms = {f"{s}_ms": round(replay_ms(graphs.replays[s], device, repeats), 4) for s in STAGES}
+            rows.append({"config": name, "bs": bs, "K": 1 if single_mode else modes, "B": BUDGET,
+                         "ar_step_ms": round(ar_ms, 4), "round_ms": round(round_ms, 4),
+                         "round_cost": round(round_ms / ar_ms, 3), **stage_ms,
+                         "graph_equals_eager": graphs_match_eager(spec, graphs, roots, cache_lens)})
+            del spec, ar_step, graphs  # free this config's graphs and context before the next
+            if use_graph:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def print_round_cost(rows: list[dict]) -> None:
+    print("\nround cost (AR steps per round; target: mfd at bs=1 <= 1.45)")
+    print(f"{'config':>7} {'bs':>3} {'K':>2} {'B':>3} {'AR ms':>8} {'round ms':>9} {'cost':>6} "
+          + " ".join(f"{s + ' ms':>9}" for s in STAGES) + "  graph = eager")
+    for r in rows:
+        print(f"{r['config']:>7} {r['bs']:>3} {r['K']:>2} {r['B']:>3} {r['ar_step_ms']:>8.3f} {r['round_ms']:>9.3f} "
+              f"{r['round_cost']:>6.3f} " + " ".join(f"{r[s + '_ms']:>9.3f}" for s in STAGES)
+              + f"  {r['graph_equals_eager']}")
+

@@ -1,0 +1,126 @@
+"""The round-cost benchmark's static target and round are exact: tree verify equals sequential
+decoding, and speculative rounds (eager, over the same static buffers the CUDA graphs use) emit the
+target's own greedy tokens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from round_cost import (  # noqa: E402
+    CONFIGS, STAGES, SpecRound, StaticTarget, TargetConfig, capture_round, random_drafter, round_cost_section,
+)
+
+from mfd_sglang.tree import build_mixture_tree  # noqa: E402
+from mfd_sglang.tree_layout import tree_ancestor_mask  # noqa: E402
+
+CFG = TargetConfig.tiny()
+
+
+def make_target(bs: int, max_len: int, seed: int = 0) -> StaticTarget:
+    target = StaticTarget(CFG, "cpu", torch.float32, seed=seed)
+    target.allocate(bs, max_len)
+    return target
+
+
+def prompts(bs: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab, (bs, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(target: StaticTarget, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Plain greedy decoding with StaticTarget.decode: [bs, steps] tokens after the prompt."""
+    logits, _ = target.prefill(prompt)
+    tokens, lens = [logits.argmax(-1)], torch.full((prompt.shape[0],), prompt.shape[1])
+    for _ in range(steps - 1):
+        tokens.append(target.decode(tokens[-1], lens).argmax(-1))
+        lens = lens + 1
+    return torch.stack(tokens, dim=1)
+
+
+def test_verify_logits_equal_sequential_decoding_along_each_path():
+    bs, prompt_len, budget, depth = 2, 11, 12, 4
+    target = make_target(bs, prompt_len + budget + 1)
+    logits, _ = target.prefill(prompts(bs, prompt_len))
+    snapshot = target.k_cache.clone(), target.v_cache.clone()
+    # Rows of different lengths: row 1 keeps 10 of its prompt tokens as its committed prefix.
+    cache_lens = torch.tensor([prompt_len, prompt_len - 1])
+    logprobs = (4 * torch.randn(bs, 2, depth, CFG.vocab, generator=torch.Generator().manual_seed(2))).log_softmax(-1)
+    tree = build_mixture_tree(logprobs, budget)
+    assert tree.valid.all() and tree.depths.max() > 1
+    tokens = torch.cat([logits.argmax(-1)[:, None], tree.tokens], dim=1)
+    depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    ancestors = tree_ancestor_mask(tree)
+    verify_logits, _ = target.verify(tokens, cache_lens[:, None] + depths, ancestors, cache_lens)
+    for node in range(budget + 1):
+        target.k_cache.copy_(snapshot[0])
+        target.v_cache.copy_(snapshot[1])
+        # The node's path (root first) in depth order, padded to the longer row's path.
+        paths = [tokens[b][ancestors[b, node]][depths[b][ancestors[b, node]].argsort()] for b in range(bs)]
+        steps = max(len(p) for p in paths)
+        path_tokens = torch.stack([torch.cat([p, p.new_zeros(steps - len(p))]) for p in paths])
+        decoded = [target.decode(path_tokens[:, t], cache_lens + t) for t in range(steps)]
+        for b in range(bs):
+            torch.testing.assert_close(verify_logits[b, node], decoded[len(paths[b]) - 1][b], rtol=1e-4, atol=1e-4)
+
+
+def test_speculative_rounds_emit_the_targets_greedy_tokens():
+    """Eager rounds through capture_round. Mode 0's draft is replaced by the target's true
+    continuation up to a cut depth, so paths of every length get accepted and committed."""
+    bs, prompt_len, budget, rounds = 2, 9, 16, 8
+    block = CFG.block_size
+    target = make_target(bs, prompt_len + rounds * block + budget + 1)
+    prompt = prompts(bs, prompt_len)
+    expected = greedy(target, prompt, rounds * block + 1)
+
+    drafter = random_drafter(CFG, target.feature_layers, 4, seed=5, device="cpu", dtype=torch.float32)
+    spec = SpecRound(target, drafter, budget=budget, single_mode=False, tree_backend="torch")
+    roots, cache_lens = spec.prefill(prompt)
+    graphs = capture_round(spec, roots, cache_lens, use_graph=False)
+    emitted = [[int(r)] for r in roots]
+    for step in range(rounds):
+        graphs.replays["draft"]()
+        cut = step % block  # accept `cut` true tokens via mode 0, then a wrong one
+        for b in range(bs):
+            future = expected[b, len(emitted[b]): len(emitted[b]) + block - 1]
+            wrong = (future + 1) % CFG.vocab
+            oracle = torch.where(torch.arange(block - 1) < cut, future, wrong)
+            graphs.logprobs[b, 0] = -30.0
+            graphs.logprobs[b, 0, torch.arange(block - 1), oracle] = 0.0
+            # A better wrong first token heads a second chain that ranks first, so the accepted path
+            # sits deep in the verify window and commit really moves its K/V.
+            graphs.logprobs[b, 0, 0, oracle[0]] = -1.0
+            graphs.logprobs[b, 0, 0, (future[0] + 2) % CFG.vocab] = -0.5
+        for stage in STAGES[1:]:
+            graphs.replays[stage]()
+        result = graphs.result
+        for b in range(bs):
+            emitted[b] += result.accepted_tokens[b, : result.accept_lens[b]].tolist()
+            assert result.accept_lens[b] >= cut + 1
+        roots.copy_(graphs.next_roots)
+        cache_lens.copy_(graphs.next_lens)
+    for b in range(bs):
+        assert emitted[b] == expected[b, : len(emitted[b])].tolist()
+        assert len(emitted[b]) == int(cache_lens[b]) - prompt_len + 1  # all but the root are committed
+
+    # The drafter context written round by round equals one computed from a prefill of the same tokens.
+    committed = int(cache_lens.min())
+    tokens = torch.cat([prompt, torch.tensor([e[: committed - prompt_len] for e in emitted])], dim=1)
+    _, features = target.prefill(tokens)
+    fresh = spec.drafter.context_kv(features, target.slots[:committed].expand(bs, -1))
+    slots = spec.req_to_token[:, :committed].long()
+    for layer in range(len(spec.drafter.layers)):
+        for pool, expected_kv in ((spec.context.keys, fresh.keys), (spec.context.values, fresh.values)):
+            torch.testing.assert_close(pool[layer][slots].transpose(1, 2), expected_kv[layer], rtol=1e-4, atol=1e-4)
+
+
+def test_round_cost_section_reports_every_config_and_batch_size():
+    rows = round_cost_section("cpu", quick=True)
+    assert {(r["config"], r["bs"]) for r in rows} == {(c, bs) for c in CONFIGS for bs in (1, 2)}
+    for r in rows:
+        assert r["ar_step_ms"] > 0 and r["round_ms"] > 0 and r["round_cost"] > 0, r
+        assert all(r[f"{s}_ms"] > 0 for s in STAGES), r
+        assert r["K"] == (8 if r["config"] == "mfd" else 1) and r["B"] == 64
