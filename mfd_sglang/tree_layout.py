@@ -19,10 +19,12 @@ from mfd_sglang.tree import DraftTree
 
 @dataclass
 class VerifyLayout:
-    """Inputs of SGLang's tree verify for bs requests of N = budget + 1 nodes each."""
+    """Inputs of SGLang's tree verify for bs requests of N = budget + 1 nodes each (every field is
+    per request, so a batch's layout is the rows of its requests; SGLang takes draft_token and
+    positions flattened)."""
 
-    draft_token: Tensor  # [bs * N] int64, per request the root token then the node tokens
-    positions: Tensor  # [bs * N] int64, seq_len + depth (root depth 0)
+    draft_token: Tensor  # [bs, N] int64, the root token then the node tokens
+    positions: Tensor  # [bs, N] int64, seq_len + depth (root depth 0)
     retrive_index: Tensor  # [bs, N] int64, b * N + local index
     retrive_next_token: Tensor  # [bs, N] int64, local index of the first child, -1 if none
     retrive_next_sibling: Tensor  # [bs, N] int64, local index of the next sibling, -1 if none
@@ -71,8 +73,8 @@ def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor
     next_sibling = torch.where(linked, next_sibling, num_nodes)
     depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
     return VerifyLayout(
-        draft_token=torch.cat([root_tokens[:, None].long(), tree.tokens], dim=1).flatten(),
-        positions=(seq_lens[:, None].long() + depths).flatten(),
+        draft_token=torch.cat([root_tokens[:, None].long(), tree.tokens], dim=1),
+        positions=seq_lens[:, None].long() + depths,
         retrive_index=torch.arange(bs * num_nodes, device=device).view(bs, num_nodes),
         retrive_next_token=torch.where(first_child < num_nodes, first_child, -1),
         retrive_next_sibling=torch.where(next_sibling < num_nodes, next_sibling, -1),

@@ -230,8 +230,9 @@ def _draft_graph_worker(tiny_pair, device: str):
 
 
 def check_draft_graphs_match_eager(tiny_pair, device: str, use_graph: bool):
-    """The worker's draft + tree, replayed at padded batch sizes (rows of other requests, or pad rows
-    with an empty context, beside it), gives each request the tree it gets when drafted alone."""
+    """The worker's draft + tree + layout, replayed at padded batch sizes (rows of other requests, or
+    pad rows with an empty context, beside it), gives each request the tree and verify layout it gets
+    when drafted alone."""
     from mfd_sglang.cuda_graph import BatchGraphs
 
     worker, table = _draft_graph_worker(tiny_pair, device)
@@ -243,11 +244,16 @@ def check_draft_graphs_match_eager(tiny_pair, device: str, use_graph: bool):
         requests_ = torch.randperm(table.shape[0], generator=gen)[:bs].to(device)
         roots = torch.randint(0, worker.drafter.cfg.vocab_size, (bs,), generator=gen).to(device)
         lens = torch.randint(1, table.shape[1] - 20, (bs,), generator=gen).to(device)
-        tree = graphs(roots, lens, requests_, key=single_mode)
+        tree, layout = graphs(roots, lens, requests_, key=single_mode)
+        num_nodes = worker.budget + 1
+        assert torch.equal(layout.retrive_index.flatten().cpu(), torch.arange(bs * num_nodes))
         for b in range(bs):
-            alone = worker.draft_paged_tree(roots[b:b + 1], lens[b:b + 1], requests_[b:b + 1], key=single_mode)
+            alone, alone_layout = worker.draft_paged_tree(roots[b:b + 1], lens[b:b + 1], requests_[b:b + 1],
+                                                          key=single_mode)
             torch.testing.assert_close(tree.scores[b:b + 1], alone.scores, rtol=1e-4, atol=1e-4)
             assert torch.equal(tree.tokens[b:b + 1], alone.tokens) and torch.equal(tree.parents[b:b + 1], alone.parents)
+            for name in ("draft_token", "positions", "retrive_next_token", "retrive_next_sibling", "ancestor_mask"):
+                assert torch.equal(getattr(layout, name)[b:b + 1], getattr(alone_layout, name)), name
 
 
 def test_worker_draft_graphs_match_eager_drafting_on_cpu(tiny_pair):

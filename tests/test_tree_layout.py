@@ -65,8 +65,8 @@ def test_layout_matches_plain_construction(seed: int) -> None:
     layout = tree_to_verify_layout(tree, root_tokens, seq_lens)
     expected = plain_layout(tree, root_tokens.tolist(), seq_lens.tolist())
     n = budget + 1
-    assert layout.draft_token.tolist() == expected["draft_token"]
-    assert layout.positions.tolist() == expected["positions"]
+    assert layout.draft_token.flatten().tolist() == expected["draft_token"]
+    assert layout.positions.flatten().tolist() == expected["positions"]
     assert layout.retrive_index.tolist() == [[b * n + i for i in range(n)] for b in range(bs)]
     assert layout.retrive_next_token.tolist() == expected["next_token"]
     assert layout.retrive_next_sibling.tolist() == expected["next_sibling"]

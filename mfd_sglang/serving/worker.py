@@ -7,8 +7,9 @@ SGLang's DFlash-family capture) and the drafter's context K/V of every prompt to
 Each decode round, with no host sync on a device:
   draft   the drafter fills a block `[last token, MASK...]` for its K modes in one forward over the
           committed context (MFD_D: the single-mode path while >= threshold requests run);
-  tree    `build_mixture_tree` keeps the B best prefixes over all modes (Triton kernel on CUDA);
-          on CUDA draft + tree replay as one CUDA graph per batch-size bucket and mode path;
+  tree    `build_mixture_tree` keeps the B best prefixes over all modes (Triton kernel on CUDA) and
+          `tree_to_verify_layout` lays them out for SGLang's verify; on CUDA draft + tree + layout
+          replay as one CUDA graph per batch-size bucket and mode path;
   verify  the root and the B nodes go through SGLang's tree-verify forward
           (`eagle_prepare_for_verify`: FULL_MASK custom mask, TARGET_VERIFY, full vocabulary; a
           replay of the target's tree-verify CUDA graph, `mfd_sglang.serving.verify_graph`), then
@@ -40,7 +41,7 @@ from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree import DraftTree, build_mixture_tree
-from mfd_sglang.tree_layout import full_custom_mask, tree_to_verify_layout
+from mfd_sglang.tree_layout import VerifyLayout, full_custom_mask, tree_to_verify_layout
 from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy, verify_tree_sampling
 
 from .algorithms import check_tree_verify_attention
@@ -122,8 +123,8 @@ class MFDWorkerV2(BaseSpecWorker):
                                              dtype=self.model_runner.model_config.dtype)
 
     def init_cuda_graphs(self):
-        """Capture draft + tree at every batch-size bucket (and both MFD_D paths). Only the paged
-        context (mode attention in Triton) has fixed shapes; sliding-window drafters run eagerly."""
+        """Capture draft + tree + layout at every batch-size bucket (and both MFD_D paths). Only the
+        paged context (mode attention in Triton) has fixed shapes; sliding-window drafters run eagerly."""
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 
         if (self.mode_attention_backend != "triton" or self.server_args.disable_cuda_graph
@@ -137,7 +138,7 @@ class MFDWorkerV2(BaseSpecWorker):
         self.draft_graphs = BatchGraphs(self.draft_paged_tree, example_inputs, default_buckets(max_bs), use_graph=True)
         with torch.inference_mode():
             self.draft_graphs.capture_all(keys=(False, True) if self.switch_threshold is not None else (False,))
-        logger.info("MFD: draft + tree CUDA graphs captured for batch sizes %s", self.draft_graphs.buckets)
+        logger.info("MFD: draft + tree + layout CUDA graphs captured for batch sizes %s", self.draft_graphs.buckets)
 
     def clear_cache_pool(self):
         pass
@@ -181,8 +182,8 @@ class MFDWorkerV2(BaseSpecWorker):
             logger.info("MFD_D: %d running requests, switching to the %s path", len(batch.reqs),
                         "single-mode" if single_mode else f"{self.drafter.mode_embed.shape[0]}-mode")
 
-        tree = self.draft_tree(batch, roots, seq_lens, single_mode)
-        verify_batch, forward_batch, output = self.verify(batch, tree, roots, seq_lens)
+        tree, layout = self.draft_tree(batch, roots, seq_lens, single_mode)
+        verify_batch, forward_batch, output = self.verify(batch, layout, seq_lens)
         result = self.accept(tree, output.logits_output.next_token_logits, batch.sampling_info, seq_lens.shape[0])
         self.commit(verify_batch, result, output.logits_output.hidden_states, seq_lens)
         output.logits_output.hidden_states = None
@@ -205,10 +206,11 @@ class MFDWorkerV2(BaseSpecWorker):
         )
 
     # --- the stages of a round ------------------------------------------------------------------
-    def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor, single_mode: bool) -> DraftTree:
-        """draft + tree: a CUDA-graph replay when captured for this batch size, else eager; the
-        context is read in place (mode attention), or for drafters with sliding-window layers
-        copied into a padded DraftContext."""
+    def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor,
+                   single_mode: bool) -> tuple[DraftTree, VerifyLayout]:
+        """draft + tree (and its verify layout): a CUDA-graph replay when captured for this batch
+        size, else eager; the context is read in place (mode attention), or for drafters with
+        sliding-window layers copied into a padded DraftContext."""
         if self.draft_graphs is not None and seq_lens.shape[0] <= self.draft_graphs.max_bs:
             return self.draft_graphs(roots, seq_lens, batch.req_pool_indices, key=single_mode)
         if self.mode_attention_backend is not None:
@@ -216,7 +218,8 @@ class MFDWorkerV2(BaseSpecWorker):
         width = int(reserved_lens(batch).max())
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
-        return self.build_tree(self.draft(roots, seq_lens, self.context_pool.gather(slots, seq_lens), single_mode))
+        logprobs = self.draft(roots, seq_lens, self.context_pool.gather(slots, seq_lens), single_mode)
+        return self.build_tree(logprobs, roots, seq_lens)
 
     def draft(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, single_mode: bool) -> torch.Tensor:
         """Drafter log-probs [bs, K, D, Vd] of the blocks `[root, MASK...]` at positions seq_lens.."""
@@ -228,30 +231,31 @@ class MFDWorkerV2(BaseSpecWorker):
         return self.drafter.logprobs(hidden, self.lm_head_weight)
 
     def draft_paged_tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, *,
-                         key: bool) -> DraftTree:
-        """draft + tree over the context read in place: fixed shapes, what the CUDA graphs replay
+                         key: bool) -> tuple[DraftTree, VerifyLayout]:
+        """draft + tree + layout over the context read in place: fixed shapes, what the CUDA graphs replay
         (key: the single-mode path)."""
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         context = self.context_pool.paged(req_to_token, req_pool_indices, seq_lens, self.mode_attention_backend)
-        return self.build_tree(self.draft(roots, seq_lens, context, key))
+        return self.build_tree(self.draft(roots, seq_lens, context, key), roots, seq_lens)
 
-    def build_tree(self, logprobs: torch.Tensor) -> DraftTree:
+    def build_tree(self, logprobs: torch.Tensor, roots: torch.Tensor,
+                   seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
+        """The mixture tree (target token ids) and its SGLang verify layout (fixed shapes)."""
         tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)
         tree.tokens = self.drafter.to_target_ids(tree.tokens)
-        return tree
+        return tree, tree_to_verify_layout(tree, roots, seq_lens)
 
-    def verify(self, batch, tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor):
+    def verify(self, batch, layout: VerifyLayout, seq_lens: torch.Tensor):
         """One target forward over [root, B nodes] per request through SGLang's tree-verify path."""
         bs, num_nodes = seq_lens.shape[0], self.speculative_num_draft_tokens
-        layout = tree_to_verify_layout(tree, roots, seq_lens)
         # Any upper bound on sum(seq_lens) sizes the flat mask; the cells are placed from seq_lens.
         lens_sum = int(reserved_lens(batch).sum())
         custom_mask = full_custom_mask(layout.ancestor_mask, seq_lens,
                                        num_nodes * lens_sum + bs * num_nodes * num_nodes)
         verify_input = EagleVerifyInput(
-            draft_token=layout.draft_token,
+            draft_token=layout.draft_token.flatten(),
             custom_mask=custom_mask,
-            positions=layout.positions,
+            positions=layout.positions.flatten(),
             retrieve_index=layout.retrive_index,
             retrieve_next_token=layout.retrive_next_token,
             retrieve_next_sibling=layout.retrive_next_sibling,
