@@ -216,13 +216,9 @@ class SpecRound:
 
     def draft(self, roots, cache_lens):
         """Log-probs [bs, K', D, V] of the blocks `[root, MASK x D]` at positions cache_lens.."""
-        block = self.drafter.cfg.block_size
-        tokens = torch.full((roots.shape[0], block), self.drafter.cfg.mask_token_id, device=roots.device)
-        tokens[:, 0] = roots
-        positions = cache_lens[:, None] + self.target.slots[:block]
         context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.attention_backend)
-        hidden = self.drafter(self.target.embed[tokens], positions, context, single_mode=self.single_mode)
-        return self.drafter.logprobs(hidden, self.target.lm_head)
+        return self.drafter.block_logprobs(roots, cache_lens, context, self.target.embed, self.target.lm_head,
+                                           single_mode=self.single_mode)
 
     def tree(self, logprobs) -> DraftTree:
         tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)

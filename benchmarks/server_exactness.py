@@ -18,11 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
 import torch
 
 from mfd_sglang.checkpoint import save_drafter
-from mfd_sglang.server_process import ServerProcess, free_port, launch_command
+from mfd_sglang.server_process import ServerProcess, free_port, generate_ids, launch_command
 from round_cost import TargetConfig, drafter_raw_config, random_drafter, spread_layer_ids
 
 SERVERS = [("plain", None), ("MFD", "MFD"), ("MFD_D", "MFD_D")]
@@ -48,14 +47,6 @@ def write_random_pair(outdir: Path, cfg: TargetConfig, num_modes: int, device: s
     return outdir / "target", outdir / "drafter"
 
 
-def generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
-    out = requests.post(base_url + "/generate", json={"input_ids": input_ids, "sampling_params": {
-        "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}, timeout=600)
-    out.raise_for_status()
-    out = out.json()
-    return out.get("output_ids") or out["meta_info"]["output_ids"], out["meta_info"]
-
-
 def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, prompts: list[list[int]], *,
                        device: str, dtype: str, attention: str | None, budget: int, max_new_tokens: int,
                        logdir: Path) -> dict:
@@ -71,7 +62,7 @@ def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, promp
     with ServerProcess(cmd, log, port=port, startup_timeout=600) as server:
         ready = time.perf_counter() - start
         with ThreadPoolExecutor(len(prompts)) as pool:
-            outs = list(pool.map(lambda p: generate(server.base_url, p, max_new_tokens), prompts))
+            outs = list(pool.map(lambda p: generate_ids(server, p, max_new_tokens), prompts))
     return {"ids": [ids for ids, _ in outs], "startup_s": round(ready, 1),
             "accept_length": [meta.get("spec_accept_length") for _, meta in outs]}
 

@@ -238,6 +238,17 @@ class MFDDrafter(nn.Module):
             masks.append(mask[:, None])
         return masks
 
+    def block_logprobs(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
+                       lm_head_weight: torch.Tensor, *, single_mode: bool = False) -> torch.Tensor:
+        """Log-probs [bs, K', D, Vd] of the blocks `[root, MASK...]` at positions starts.. over the
+        context (DraftContext or paged), with the target's embeddings and head."""
+        block = self.cfg.block_size
+        tokens = torch.full((roots.shape[0], block), self.cfg.mask_token_id, device=roots.device)
+        tokens[:, 0] = roots
+        positions = starts[:, None].long() + torch.arange(block, device=roots.device)
+        hidden = self(embed_weight[tokens], positions, context, single_mode=single_mode)
+        return self.logprobs(hidden, lm_head_weight)
+
     def logprobs(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Log-probabilities over the draft vocabulary (or the full one) [..., Vd], in fp32."""
         weight = lm_head_weight if self.draft_vocab is None else lm_head_weight[self.draft_vocab]

@@ -169,12 +169,8 @@ class SpeculativeGenerator:
     def draft_blocks(self, roots: torch.Tensor, lengths: torch.Tensor, context: DraftContext, *,
                      single_mode: bool = False) -> torch.Tensor:
         """Log-probs [bs, K, D, Vd] of blocks `[root, MASK...]` at positions lengths.. over the given context."""
-        bs, block = roots.shape[0], self.drafter.cfg.block_size
-        tokens = torch.full((bs, block), self.drafter.cfg.mask_token_id, device=self.device)
-        tokens[:, 0] = roots
-        positions = lengths[:, None] + torch.arange(block, device=self.device)
-        hidden = self.drafter(self.embed_weight[tokens], positions, context, single_mode=single_mode)
-        return self.drafter.logprobs(hidden, self.lm_head_weight)
+        return self.drafter.block_logprobs(roots, lengths, context, self.embed_weight, self.lm_head_weight,
+                                           single_mode=single_mode)
 
     @torch.inference_mode()
     def build_tree(self, logprobs: torch.Tensor) -> DraftTree:

@@ -157,3 +157,18 @@ def launch_command(target, *, port: int, algorithm: str | None = None, drafter=N
         if budget is not None:
             cmd += ["--speculative-num-draft-tokens", str(budget + 1)]
     return cmd + list(extra_args)
+
+
+def post_json(server: ServerProcess, path: str, payload: dict, timeout: float = 300) -> dict:
+    """POST a JSON request to the server; an answer other than 200 raises with the server's log."""
+    r = requests.post(server.base_url + path, json=payload, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:2000]}\n--- log ---\n{log_tail(server.log_path)}")
+    return r.json()
+
+
+def generate_ids(server: ServerProcess, input_ids: list[int], max_new_tokens: int, **sampling) -> tuple[list[int], dict]:
+    """(output ids, meta_info) of /generate on a token-id prompt, greedy unless `sampling` says otherwise."""
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **sampling}
+    out = post_json(server, "/generate", {"input_ids": input_ids, "sampling_params": params})
+    return out.get("output_ids") or out["meta_info"].get("output_ids"), out["meta_info"]

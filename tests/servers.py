@@ -3,25 +3,12 @@ SGLang server that return generated token ids."""
 
 from __future__ import annotations
 
-import requests
-
-from mfd_sglang.server_process import ServerProcess, free_port, log_tail  # noqa: F401 (re-exported)
+from mfd_sglang.server_process import (  # noqa: F401 (re-exported)
+    ServerProcess, free_port, generate_ids, log_tail, post_json,
+)
 
 
 # --- requests against an OpenAI-compatible SGLang server, returning generated token ids ---------
-def post_json(server: ServerProcess, path: str, payload: dict, timeout: float = 300) -> dict:
-    r = requests.post(server.base_url + path, json=payload, timeout=timeout)
-    assert r.status_code == 200, f"{path}: HTTP {r.status_code}: {r.text[:2000]}\n--- log ---\n{log_tail(server.log_path)}"
-    return r.json()
-
-
-def generate_ids(server: ServerProcess, input_ids: list[int], max_new_tokens: int, **sampling) -> tuple[list[int], dict]:
-    """(output ids, meta_info) of /generate, greedy unless `sampling` says otherwise."""
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **sampling}
-    out = post_json(server, "/generate", {"input_ids": input_ids, "sampling_params": params})
-    return out.get("output_ids") or out["meta_info"].get("output_ids"), out["meta_info"]
-
-
 def completion_ids(server: ServerProcess, input_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy /v1/completions on a token-id prompt; checks the usage count too."""
     out = post_json(server, "/v1/completions", {

@@ -218,17 +218,13 @@ class MFDWorkerV2(BaseSpecWorker):
         width = int(reserved_lens(batch).max())
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
-        logprobs = self.draft(roots, seq_lens, self.context_pool.gather(slots, seq_lens), single_mode)
-        return self.build_tree(logprobs, roots, seq_lens)
+        return self.build_tree(self.draft(roots, seq_lens, self.context_pool.gather(slots, seq_lens), single_mode),
+                               roots, seq_lens)
 
     def draft(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, single_mode: bool) -> torch.Tensor:
         """Drafter log-probs [bs, K, D, Vd] of the blocks `[root, MASK...]` at positions seq_lens.."""
-        block = self.drafter.cfg.block_size
-        tokens = torch.full((roots.shape[0], block), self.drafter.cfg.mask_token_id, device=roots.device)
-        tokens[:, 0] = roots
-        positions = seq_lens[:, None].long() + torch.arange(block, device=roots.device)
-        hidden = self.drafter(self.embed_weight[tokens], positions, context, single_mode=single_mode)
-        return self.drafter.logprobs(hidden, self.lm_head_weight)
+        return self.drafter.block_logprobs(roots, seq_lens, context, self.embed_weight, self.lm_head_weight,
+                                           single_mode=single_mode)
 
     def draft_paged_tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, *,
                          key: bool) -> tuple[DraftTree, VerifyLayout]:
