@@ -1,27 +1,31 @@
 """One-call GPU check: correctness and timing of everything GPU-only, a table printed last, JSON saved.
 
-    python benchmarks/gpu_check.py                  # on a GPU machine: the full check (< 10 min)
-    python benchmarks/gpu_check.py --quick --device cpu   # smoke run of the script itself (CI)
-    python benchmarks/gpu_check.py --only round_cost      # some sections only
+    python benchmarks/gpu_check.py                  # on a GPU machine: the full check (< 9 min on one H200)
+    python benchmarks/gpu_check.py --quick --device cpu --allow-skip   # smoke run of the script itself (CI)
+    python benchmarks/gpu_check.py --only servers   # some sections only
 
-Sections (each reports what it ran; parts not built yet are listed as such, never faked):
-  env       versions (torch, triton, transformers, sglang if importable), device name
+Sections, in this order (the most important results first; each reports what it ran):
   tree      Triton mixture-tree kernel vs the torch reference: bit-identical trees (fp32, bf16),
             and no host sync inside the kernel launch (CUDA sync debug mode "error")
-  tree_time tree-build ms per round, torch vs Triton: bs {1,4,16}, K=8, D=15, B {16,32,64,128},
-            V {32768,65536,151936} (paper's engine ~0.35 ms; target <= 0.10 ms at bs=1, B=64, V=65536)
   attention fused mode-attention kernel vs the torch reference (gather + masked SDPA, the generic
             path), fp32 and bf16, max abs error
-  attention_time  ms per drafter attention call, Triton vs the generic path: K=8, block 16, context 4K,
-            32 query / 8 kv heads of 128 (Qwen3-4B-shaped drafter), bs {1,4,16} (target >= 1.5x)
+  tree_mask every attention backend MFD allows applies the tree mask of a top-k 1 verify, eagerly and
+            replayed from a CUDA graph (benchmarks/tree_mask_check.py); the first section of the server part
+  servers   real SGLang servers (plain, MFD K = 8 B = 64, MFD_D) on a random Qwen3-4B-width target,
+            8 concurrent greedy requests by token ids, fp32 and bf16, CUDA graphs + overlap on, then off
+            (benchmarks/server_exactness.py)
   round_cost one speculative round (draft + tree + verify + commit, each a CUDA graph) in plain decode
             steps on a random Qwen3-4B-shaped target, bs {1,4,16}: MFD K=8 B=64, MFD_D, DDTree
-            (benchmarks/round_cost.py; target: MFD at bs 1 <= 1.45)
-  servers   real SGLang servers (plain, MFD, MFD_D; tree-verify and draft CUDA graphs on) on a random
-            Qwen3-4B-width target: greedy token ids must be identical (benchmarks/server_exactness.py);
-            skipped, with the reason, where sglang is not importable
-Results go to benchmarks/results/gpu-check-<date>-<machine>.json, rewritten after every section so that
-a run cut short keeps what it measured.
+            (benchmarks/round_cost.py; target: MFD at bs 1 <= 1.45); graph replay must equal eager
+  tree_time tree-build ms per round, torch vs Triton: bs {1,4,16}, K=8, D=15, B {16,32,64,128},
+            V {32768,65536,151936} (paper's engine ~0.35 ms; target <= 0.10 ms at bs=1, B=64, V=65536)
+  attention_time  ms per drafter attention call, Triton vs the generic path: K=8, block 16, context 4K,
+            32 query / 8 kv heads of 128 (Qwen3-4B-shaped drafter), bs {1,4,16} (target >= 1.5x)
+The exit status is 0 only when every correctness item passed: a mismatch, an error (a section that
+raised, a row with an error) or a skip (a section or row this machine cannot run) makes it 1, and the
+table ends with the list of what failed. `--allow-skip` lets skips pass (for a local or CPU run).
+Results go to benchmarks/results/gpu-check-<date>-<machine>.json (or --out), rewritten after every
+section, so that a run cut short keeps what it finished; a section that raised records its traceback.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
+import importlib.util
 import itertools
 import json
 import platform
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -145,7 +151,7 @@ def check_mode_attention(device: str, quick: bool) -> list[dict]:
 
 def time_mode_attention(device: str, quick: bool) -> list[dict]:
     if not device.startswith("cuda"):
-        return []  # the interpreter's timings mean nothing
+        raise SectionSkipped("Triton timings need a GPU (the interpreter's mean nothing)")
     rows = []
     for bs in (1, 4, 16):
         case = random_inputs(0, bs, 8, 16, 32, 8, 128, [4096] * bs, torch.bfloat16, device)
@@ -158,13 +164,62 @@ def time_mode_attention(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def check_tree_masks(device: str, quick: bool) -> list[dict]:
+    """benchmarks/tree_mask_check.py, imported here so that the check runs before that module exists;
+    a missing module is this section's error (never a pass)."""
+    from tree_mask_check import tree_mask_section
+
+    return tree_mask_section(device, quick)
+
+
 def check_servers(device: str, quick: bool) -> list[dict]:
-    """The SGLang server step; needs sglang and, on a GPU, its CUDA kernels (sgl-kernel)."""
-    try:
-        import sglang.srt.entrypoints.engine  # noqa: F401  (what a server imports first)
-    except Exception as exc:
-        raise SectionSkipped(f"sglang is not importable here ({type(exc).__name__}: {exc})") from None
+    """The SGLang server step; needs sglang (on the device: from the kit, see scripts/device_kit.sh)."""
+    if importlib.util.find_spec("sglang") is None:
+        raise SectionSkipped("sglang is not installed here; on the device, carry .device-kit "
+                             "(bash scripts/device_kit.sh)")
+    # An SGLang that is there but does not import (e.g. a kernel name missing from sgl_kernel) is an error.
+    import sglang.srt.entrypoints.engine  # noqa: F401  (what a server imports first)
+
     return server_section(device, quick)
+
+
+# Per section: the row field that must be true. Rows of every section fail on an `error` field and
+# count as skipped on a `skipped` field.
+CORRECTNESS = {"tree": "identical", "attention": "ok", "tree_mask": "ok", "servers": "ok",
+               "round_cost": "graph_equals_eager"}
+
+
+def failures(report: dict, sections: list[str], allow_skip: bool) -> list[str]:
+    """What makes the check fail, one line each: a section that raised, was skipped or did not run,
+    an empty correctness section, and every row that failed, errored or was skipped."""
+    out = []
+    for section in sections:
+        if f"{section}_error" in report:
+            out.append(f"{section}: ERROR {report[section + '_error'].strip().splitlines()[-1]}")
+            continue
+        if f"{section}_skipped" in report:
+            if not allow_skip:
+                out.append(f"{section}: SKIPPED {report[section + '_skipped']}")
+            continue
+        if section not in report:
+            out.append(f"{section}: did not run")
+            continue
+        if section in CORRECTNESS and not report[section]:
+            out.append(f"{section}: no rows (nothing was checked)")
+        field = CORRECTNESS.get(section)
+        for i, row in enumerate(report[section]):
+            label = f"{section}[{i}]"
+            # error text: "error" or "<what>_error" (a number such as max_abs_error is a measurement)
+            errors = {k: v for k, v in row.items() if (k == "error" or k.endswith("_error")) and isinstance(v, str)}
+            if errors:
+                out.append(f"{label}: ERROR " + "; ".join(f"{k}: {str(v).strip().splitlines()[0]}" for k, v in errors.items()))
+            elif row.get("skipped"):
+                if not allow_skip:
+                    out.append(f"{label}: SKIPPED {row['skipped']}")
+            elif field is not None and not row.get(field):
+                shown = {k: v for k, v in row.items() if not isinstance(v, list)}
+                out.append(f"{label}: FAILED ({field} is {row.get(field)!r}) {shown}")
+    return out
 
 
 class SectionSkipped(Exception):
@@ -192,12 +247,20 @@ def print_table(report: dict) -> None:
         print(f"  bs {r['bs']:>2}: torch {r['torch_ms']} ms, triton {r['triton_ms']} ms, {r['speedup']}x")
     if report.get("round_cost"):
         print_round_cost(report["round_cost"])
+    if report.get("tree_mask"):
+        from tree_mask_check import print_tree_mask_rows
+
+        print_tree_mask_rows(report["tree_mask"])
     if report.get("servers"):
         print_server_rows(report["servers"])
     for section in SECTIONS:
         for suffix in ("skipped", "error"):
             if f"{section}_{suffix}" in report:
                 print(f"\n{section} {suffix.upper()}: {report[f'{section}_{suffix}'].strip().splitlines()[-1]}")
+    failed = report.get("failures", [])
+    print(f"\nRESULT: {'FAIL' if failed else 'PASS'}" + (f" ({len(failed)} items)" if failed else ""))
+    for line in failed:
+        print("  " + line)
 
 
 def main() -> None:
@@ -206,16 +269,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run of the script)")
     parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/gpu-check-<date>-<machine>.json)")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run these sections only")
+    parser.add_argument("--allow-skip", action="store_true",
+                        help="skipped sections / rows do not fail the check (local or CPU runs)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="start no section after S seconds (it is then recorded as an error)")
     args = parser.parse_args()
     date = dt.date.today().isoformat()
     report = {"date": date, "command": "python benchmarks/gpu_check.py" + (" --quick" if args.quick else ""),
               "env": environment(args.device)}
+    sections = [name for name in SECTIONS if not args.only or name in args.only]
+    begin = time.perf_counter()
     out = args.out or RESULTS / f"gpu-check-{date}-{report['env'].get('gpu', args.device).replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    for section, fn in SECTIONS.items():
-        if args.only and section not in args.only:
-            continue
+    for section in sections:
+        fn = SECTIONS[section]
         start = time.perf_counter()
+        if args.time_budget is not None and start - begin > args.time_budget:
+            report[section] = []
+            report[f"{section}_error"] = f"not started: the time budget of {args.time_budget:.0f} s was spent"
+            continue
         print(f"[gpu_check] {section} ...", flush=True)
         try:
             report[section] = fn(args.device, args.quick)
@@ -226,13 +298,21 @@ def main() -> None:
             report[section] = []
             report[f"{section}_error"] = traceback.format_exc()
         report[f"{section}_seconds"] = round(time.perf_counter() - start, 1)
+        report["failures"] = failures(report, sections, args.allow_skip)
         out.write_text(json.dumps(report, indent=1) + "\n")
+    report["failures"] = failures(report, sections, args.allow_skip)
+    report["passed"] = not report["failures"]
+    out.write_text(json.dumps(report, indent=1) + "\n")
     print_table(report)
     print(f"\nwrote {out}")
+    sys.exit(0 if report["passed"] else 1)
 
 
-SECTIONS = {"tree": check_tree_kernel, "tree_time": time_tree_build, "attention": check_mode_attention,
-            "attention_time": time_mode_attention, "round_cost": round_cost_section, "servers": check_servers}
+# The order they run in: kernel exactness, then the server part (tree masks first, then real servers),
+# then costs and timings.
+SECTIONS = {"tree": check_tree_kernel, "attention": check_mode_attention, "tree_mask": check_tree_masks,
+            "servers": check_servers, "round_cost": round_cost_section, "tree_time": time_tree_build,
+            "attention_time": time_mode_attention}
 
 if __name__ == "__main__":
     main()

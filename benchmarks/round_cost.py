@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.cuda_graph import capture
 from mfd_sglang.drafter import MFDDrafter, apply_rope, rms_norm, rope_cos_sin
+from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
-from mfd_sglang.tree import DraftTree, build_mixture_tree
+from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree
 from mfd_sglang.tree_layout import tree_ancestor_mask
 from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy
 from tree_build import mean_ms  # benchmarks/ is on sys.path when this runs as a script
@@ -202,6 +203,7 @@ class SpecRound:
         self.req_to_token = torch.arange(bs * max_len, device=target.device, dtype=torch.int32).view(bs, max_len)
         self.requests = torch.arange(bs, device=target.device)
         self.attention_backend = "triton" if str(target.device).startswith("cuda") else "torch"
+        self.head_weight = drafter.head_weight(target.lm_head)
 
     def write_context(self, features, positions) -> None:
         """Drafter context K/V of target features [bs, T, n*H] at positions [bs, T]."""
@@ -214,14 +216,15 @@ class SpecRound:
         self.write_context(features, self.target.slots[: prompts.shape[1]].expand_as(prompts))
         return logits.argmax(-1), torch.full_like(logits[:, 0], prompts.shape[1], dtype=torch.long)
 
-    def draft(self, roots, cache_lens):
-        """Log-probs [bs, K', D, V] of the blocks `[root, MASK x D]` at positions cache_lens.."""
+    def draft(self, roots, cache_lens) -> DraftCandidates:
+        """The B best tokens per (mode, position) of the blocks `[root, MASK x D]` at positions
+        cache_lens.., scored over the vocabulary in chunks, as the SGLang worker drafts."""
         context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.attention_backend)
-        return self.drafter.block_logprobs(roots, cache_lens, context, self.target.embed, self.target.lm_head,
-                                           single_mode=self.single_mode)
+        return self.drafter.block_candidates(roots, cache_lens, context, self.target.embed, self.head_weight,
+                                             self.budget, single_mode=self.single_mode)
 
-    def tree(self, logprobs) -> DraftTree:
-        tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)
+    def tree(self, candidates: DraftCandidates) -> DraftTree:
+        tree = build_mixture_tree(candidates, self.budget, backend=self.tree_backend)
         tree.tokens = self.drafter.to_target_ids(tree.tokens)
         return tree
 
@@ -234,21 +237,19 @@ class SpecRound:
         return verify_tree_greedy(tree, logits), features
 
     def commit(self, result: TreeVerifyResult, features, cache_lens):
-        """Root + accepted nodes into the target cache and the drafter context; returns the next
-        roots (the bonus tokens) and cache_lens."""
-        width = min(self.drafter.cfg.block_size, self.budget + 1)  # root + the longest possible path
-        path = result.accepted_local_indices[:, : width - 1].clamp(min=0)  # -1 (none) -> junk row 0
-        path = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)
-        self.target.commit(path, cache_lens)
-        kept = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))
-        self.write_context(kept, cache_lens[:, None] + self.target.slots[:width])
+        """Root + accepted nodes into the target cache and the drafter context (the SGLang worker's
+        `commit_round`, over the static cache); returns the next roots (the bonus tokens) and cache_lens."""
+        window_slots = self.req_to_token.gather(1, cache_lens[:, None] + self.target.slots[: features.shape[1]])
+        # The static cache moves whole rows: a path's -1 (none) moves junk row 0, masked until overwritten.
+        commit_round(result, features, cache_lens, window_slots.long(), self.context, self.drafter,
+                     lambda path: self.target.commit(path.clamp(min=0), cache_lens))
         return result.bonus_tokens.clone(), cache_lens + result.accept_lens
 
 
 @dataclass
 class RoundGraphs:
     replays: dict  # stage -> replay()
-    logprobs: torch.Tensor
+    candidates: DraftCandidates
     tree: DraftTree
     result: TreeVerifyResult
     next_roots: torch.Tensor
@@ -264,15 +265,15 @@ def capture_round(spec: SpecRound, roots, cache_lens, *, use_graph: bool) -> Rou
     cache_lens) alone, so replays repeat the same round; copy next_* into them to move on. Each stage
     is replayed once before the next capture, which would otherwise read never-computed outputs."""
     replays = {}
-    replays["draft"], logprobs = capture(spec.draft, roots, cache_lens, use_graph=use_graph)
+    replays["draft"], candidates = capture(spec.draft, roots, cache_lens, use_graph=use_graph)
     replays["draft"]()
-    replays["tree"], tree = capture(spec.tree, logprobs, use_graph=use_graph)
+    replays["tree"], tree = capture(spec.tree, candidates, use_graph=use_graph)
     replays["tree"]()
     replays["verify"], (result, features) = capture(spec.verify, tree, roots, cache_lens, use_graph=use_graph)
     replays["verify"]()
     replays["commit"], (next_roots, next_lens) = capture(spec.commit, result, features, cache_lens,
                                                          use_graph=use_graph)
-    return RoundGraphs(replays, logprobs, tree, result, next_roots, next_lens)
+    return RoundGraphs(replays, candidates, tree, result, next_roots, next_lens)
 
 
 def graphs_match_eager(spec: SpecRound, graphs: RoundGraphs, roots, cache_lens) -> bool:

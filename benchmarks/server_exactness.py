@@ -1,18 +1,32 @@
 """Real SGLang servers on a random Qwen3-4B-shaped target: MFD and MFD_D must emit exactly the
-tokens of the same server without speculation (greedy, concurrent requests so that batches of
-several requests are verified, through the tree-verify CUDA graphs on a GPU).
+tokens of the same server without speculation (greedy, 8 concurrent requests so that batches of
+several requests are verified).
 
-    python benchmarks/gpu_check.py --only servers                      # on a GPU with SGLang 0.5.23 installed
+    python benchmarks/gpu_check.py --only servers                      # on a GPU (SGLang from the device kit)
     python benchmarks/gpu_check.py --only servers --quick --device cpu # tiny shapes, fp32, the CPU launcher
 
+On a GPU the matrix is {fp32, bf16} x {CUDA graphs + overlap scheduling on, graphs off}, each with a
+plain, an MFD (K = 8, B = 64) and an MFD_D server; the servers of one graph setting start together
+(one H200 holds them all; start-up dominates the time). On a CPU: fp32 only, eager, one at a time.
 The target is written as a Hugging Face Qwen3 checkpoint (random weights, the width of Qwen3-4B,
 fewer layers: exactness does not depend on depth, start-up time does) with a random K = 8 drafter;
 requests go by token ids (`--skip-tokenizer-init`: no tokenizer exists).
+
+A row is `ok` when every request of both servers completed with all its tokens and, in fp32, the
+token ids equal the plain server's. bf16 rows record exactness without requiring it: the verify
+forward (many tokens) and the one-token decode round differently, so a near-tie of a random model
+can part them; the row shows where (`first_divergence`).
+
+Attention: `triton` in fp32 (FlashInfer has no fp32 kernels) and in bf16 unless FlashInfer is
+importable; the device kit carries no FlashInfer (it compiles its kernels with nvcc at first use,
+longer than a device call), so on the device every row says `attention: triton` and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,61 +61,135 @@ def write_random_pair(outdir: Path, cfg: TargetConfig, num_modes: int, device: s
     return outdir / "target", outdir / "drafter"
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    dtype: str
+    cuda_graphs: bool  # on a GPU: graphs and overlap scheduling on together, or both off
+    attention: str | None
+    attention_note: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}-{'graphs' if self.cuda_graphs else 'eager'}"
+
+
+def attention_choice(dtype: str) -> tuple[str, str]:
+    """(backend, why) for a GPU server of this dtype; every server of a config uses the same one."""
+    if dtype == "float32":
+        return "triton", "fp32: FlashInfer has no fp32 kernels"
+    if importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer", "FlashInfer is importable"
+    return "triton", "FlashInfer is not installed (the device kit carries none)"
+
+
+def server_configs(device: str) -> list[ServerConfig]:
+    if device == "cpu":  # the CPU launcher's defaults: mfd_cpu attention, no graphs, no overlap
+        return [ServerConfig("float32", False, None, "CPU launcher default (mfd_cpu)")]
+    return [ServerConfig(dtype, graphs, *attention_choice(dtype))
+            for graphs in (True, False) for dtype in ("float32", "bfloat16")]
+
+
+def standin_env() -> dict:
+    """Server environment when `sgl_kernel` is this project's pure-torch stand-in rather than the CUDA
+    wheel: SGLang's fused ops then take their torch reference path (`forward_native`), and its start-up
+    check for an installed `sglang-kernel` wheel (CUDA only) is skipped: the stand-in is no wheel."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is not None and "sgl_kernel_standin" in str(spec.origin):
+        return {"SGLANG_FORCE_FUSED_OP_BACKEND": "torch",  # KernelBackend.TORCH: forward_native
+                "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1"}
+    return {}
+
+
 def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, prompts: list[list[int]], *,
-                       device: str, dtype: str, attention: str | None, budget: int, max_new_tokens: int,
-                       logdir: Path) -> dict:
-    """Start one server, send every prompt at once, stop it; token ids and acceptance per prompt."""
+                       device: str, config: ServerConfig, budget: int, max_new_tokens: int, logdir: Path,
+                       mem_fraction: float, startup_timeout: float) -> dict:
+    """Start one server, send every prompt at once, stop it; token ids and acceptance per prompt,
+    or the error that stopped it."""
     port = free_port()
-    extra = ["--skip-tokenizer-init", "--max-running-requests", str(len(prompts)), "--mem-fraction-static", "0.6"]
-    if attention is not None:  # the same kernels for every server: exactness compares like with like
-        extra += ["--attention-backend", attention]
+    extra = ["--skip-tokenizer-init", "--max-running-requests", str(len(prompts)),
+             "--mem-fraction-static", str(mem_fraction)]
+    if device != "cpu":
+        extra += ["--max-total-tokens", "32768"]  # several servers share the GPU: bound each KV pool
+        if not config.cuda_graphs:
+            extra += ["--disable-cuda-graph", "--disable-overlap-schedule"]
+    if config.attention is not None:  # the same kernels for every server: exactness compares like with like
+        extra += ["--attention-backend", config.attention]
     cmd = launch_command(target, port=port, algorithm=algorithm, drafter=drafter, budget=budget, device=device,
-                         dtype=dtype, extra_args=extra)
+                         dtype=config.dtype, extra_args=extra)
+    log = logdir / f"{algorithm or 'plain'}-{config.name}.log"
     start = time.perf_counter()
-    log = logdir / f"{algorithm or 'plain'}-{dtype}.log"
-    with ServerProcess(cmd, log, port=port, startup_timeout=600) as server:
-        ready = time.perf_counter() - start
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outs = list(pool.map(lambda p: generate_ids(server, p, max_new_tokens), prompts))
+    try:
+        with ServerProcess(cmd, log, port=port, env={**os.environ, **standin_env()},
+                           startup_timeout=startup_timeout) as server:
+            ready = time.perf_counter() - start
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(lambda p: generate_ids(server, p, max_new_tokens), prompts))
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
     return {"ids": [ids for ids, _ in outs], "startup_s": round(ready, 1),
             "accept_length": [meta.get("spec_accept_length") for _, meta in outs]}
 
 
+def compare(name: str, config: ServerConfig, spec: dict, plain: dict, budget: int, prompts: list[list[int]],
+            max_new_tokens: int) -> dict:
+    row = {"server": name, "dtype": config.dtype, "cuda_graphs": config.cuda_graphs,
+           "overlap": config.cuda_graphs, "attention": config.attention or "default",
+           "attention_note": config.attention_note, "B": budget, "prompts": len(prompts),
+           "max_new_tokens": max_new_tokens, "exact_required": config.dtype == "float32"}
+    errors = [f"{who}: {r['error']}" for who, r in ((name, spec), ("plain", plain)) if "error" in r]
+    if errors:
+        return {**row, "ok": False, "exact": False, "error": "\n".join(errors)}
+    ids, ref = spec["ids"], plain["ids"]
+    complete = all(len(x) == max_new_tokens for x in ids + ref)
+    exact = ids == ref
+    row.update(exact=exact, complete=complete, ok=complete and (exact or not row["exact_required"]),
+               first_divergence=[next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                                 for x, y in zip(ids, ref)],
+               accept_length=spec["accept_length"], startup_s=spec["startup_s"],
+               plain_startup_s=plain["startup_s"])
+    return row
+
+
 def server_section(device: str, quick: bool) -> list[dict]:
-    """One row per speculative server and precision: exact (all prompts equal the plain server's),
-    first divergence per prompt. fp32 must be exact; bf16 may part after a near-tie (the verify
-    forward and the one-token decode round differently), which the row shows."""
+    """One row per speculative server and config (see the module docstring for what `ok` means)."""
     cfg = TargetConfig.tiny() if quick else dataclasses.replace(TargetConfig.qwen3_4b(), layers=8, draft_layers=2)
-    # (dtype, attention backend): fp32 runs on Triton (FlashInfer has no fp32 kernels).
-    precisions = [("float32", None)] if device == "cpu" else [("float32", "triton"), ("bfloat16", "flashinfer")]
     gen = torch.Generator().manual_seed(2)
-    lengths = (5, 17, 40) if quick else (7, 60, 200, 500)
+    lengths = (5, 17, 40, 9) if quick else (7, 40, 100, 180, 260, 350, 430, 500)
     prompts = [torch.randint(0, cfg.vocab - 1, (n,), generator=gen).tolist() for n in lengths]
     max_new_tokens, budget = (24, 16) if quick else (96, 64)
+    configs = server_configs(device)
+    # On a GPU every server of one graph setting starts at once (start-up is most of the time);
+    # on a CPU one at a time (2 cores).
+    parallel = 1 if device == "cpu" else len(SERVERS) * 2
+    mem_fraction, startup_timeout = (0.6, 600) if device == "cpu" else (0.5, 300)
     with tempfile.TemporaryDirectory(prefix="mfd-server-exactness-") as tmp:
         tmp = Path(tmp)
         target, drafter = write_random_pair(tmp, cfg, num_modes=8, device="cpu" if quick else device)
-        rows = []
-        for dtype, attention in precisions:
-            results = {name: serve_and_generate(target, drafter, algorithm, prompts, device=device, dtype=dtype,
-                                                attention=attention, budget=budget, max_new_tokens=max_new_tokens,
-                                                logdir=tmp)
-                       for name, algorithm in SERVERS}
-            plain = results["plain"]["ids"]
-            for name, _ in SERVERS[1:]:
-                ids = results[name]["ids"]
-                diverge = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ids, plain)]
-                rows.append({"server": name, "dtype": dtype, "attention": attention or "default", "B": budget,
-                             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "exact": ids == plain,
-                             "first_divergence": diverge, "accept_length": results[name]["accept_length"],
-                             "startup_s": results[name]["startup_s"], "plain_startup_s": results["plain"]["startup_s"]})
-    return rows
+        jobs = [(config, name, algorithm) for config in configs for name, algorithm in SERVERS]
+        with ThreadPoolExecutor(parallel) as pool:
+            results = dict(zip(
+                [(c.name, n) for c, n, _ in jobs],
+                pool.map(lambda job: serve_and_generate(
+                    target, drafter, job[2], prompts, device=device, config=job[0], budget=budget,
+                    max_new_tokens=max_new_tokens, logdir=tmp, mem_fraction=mem_fraction,
+                    startup_timeout=startup_timeout), jobs)))
+        return [compare(name, config, results[(config.name, name)], results[(config.name, "plain")], budget,
+                        prompts, max_new_tokens)
+                for config in configs for name, _ in SERVERS[1:]]
 
 
 def print_server_rows(rows: list[dict]) -> None:
     print("\nSGLang servers vs the same server without speculation (greedy token ids)")
     for r in rows:
-        print(f"  {r['server']:>6} {r['dtype']} {r['attention']} B={r['B']}: {'EXACT' if r['exact'] else 'DIFFERS'} "
-              f"({r['prompts']} concurrent prompts x {r['max_new_tokens']} tokens; first divergence "
-              f"{r['first_divergence']}; accept length {r['accept_length']})")
-
+        mode = "graphs+overlap" if r["cuda_graphs"] else "eager"
+        head = f"  {r['server']:>6} {r['dtype']:>8} {mode:>14} {r['attention']} B={r['B']}:"
+        if "error" in r:
+            print(f"{head} ERROR {r['error'].strip().splitlines()[0]}")
+            continue
+        verdict = "EXACT" if r["exact"] else ("DIFFERS" if r["exact_required"] else "differs (bf16, not required)")
+        print(f"{head} {verdict}{'' if r['complete'] else ' INCOMPLETE'} ({r['prompts']} concurrent prompts x "
+              f"{r['max_new_tokens']} tokens; first divergence {r['first_divergence']}; "
+              f"accept length {r['accept_length']})")
+    notes = sorted({f"{r['dtype']}: {r['attention']} ({r['attention_note']})" for r in rows})
+    if notes:
+        print("  attention: " + "; ".join(notes))

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.tree import DraftTree
+from mfd_sglang.tree import DraftCandidates, DraftTree
 
 _MIN_KEY = tl.constexpr(-(2**63))  # below every real key: marks padding lanes
 _TILE = 4096  # elements per ranking tile: bounds the register footprint of one top-k
@@ -261,40 +261,50 @@ def _pow2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))  # >= 2: keeps every top-k a real merge
 
 
-def build_mixture_tree_triton(logprobs: torch.Tensor, budget: int) -> DraftTree:
+def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: int) -> DraftTree:
     """`mfd_sglang.tree.build_mixture_tree` on Triton; logprobs [K, D, V] or [bs, K, D, V] in
-    float32, float16 or bfloat16 (scores come out float32)."""
-    if logprobs.dim() == 3:
-        tree = build_mixture_tree_triton(logprobs[None], budget)
-        return DraftTree(**{name: value[0] for name, value in vars(tree).items()})
-    if logprobs.dim() != 4:
-        raise ValueError(f"logprobs must be [K, D, V] or [bs, K, D, V], not {logprobs.shape}")
+    float32, float16 or bfloat16 (scores come out float32), or float32 `DraftCandidates` (the
+    vocabulary top-B launch is then skipped)."""
+    if isinstance(logprobs, DraftCandidates):
+        source = logprobs.logprobs
+        bs, num_modes, depth, _ = source.shape
+        vocab = logprobs.vocab
+    else:
+        if logprobs.dim() == 3:
+            tree = build_mixture_tree_triton(logprobs[None], budget)
+            return DraftTree(**{name: value[0] for name, value in vars(tree).items()})
+        if logprobs.dim() != 4:
+            raise ValueError(f"logprobs must be [K, D, V] or [bs, K, D, V], not {logprobs.shape}")
+        source = logprobs
+        bs, num_modes, depth, vocab = logprobs.shape
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    if logprobs.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"the Triton tree backend takes float32/16 or bfloat16, not {logprobs.dtype}")
-    if not logprobs.is_cuda and not _is_interpreted():
+    if source.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"the Triton tree backend takes float32/16 or bfloat16, not {source.dtype}")
+    if not source.is_cuda and not _is_interpreted():
         raise ValueError(
             "the Triton tree backend needs a CUDA tensor or TRITON_INTERPRET=1 (set before triton "
-            f"is imported), got a tensor on {logprobs.device}"
+            f"is imported), got a tensor on {source.device}"
         )
-    bs, num_modes, depth, vocab = logprobs.shape
     width = budget
     num_top = min(width, vocab)
     num_entries = num_modes * width  # M, entries per depth
     if depth * num_entries >= 2**31 or vocab >= 2**31:
         raise ValueError("too many tree entries for 32-bit indices")
-    logprobs = logprobs.contiguous()
-    dev = logprobs.device
+    dev = source.device
     bb, ntb, mb = _pow2(width), _pow2(num_top), _pow2(num_entries)
     i64 = dict(dtype=torch.int64, device=dev)
 
-    top_lp = torch.empty(bs * num_modes * depth, num_top, dtype=torch.float32, device=dev)
-    top_tok = torch.empty(bs * num_modes * depth, num_top, **i64)
-    tile_v = max(bb, min(_pow2(vocab), 1024))
-    _vocab_topk_kernel[(bs * num_modes * depth,)](
-        logprobs, top_lp, top_tok, vocab, num_top, BB=bb, TILE_V=tile_v
-    )
+    if isinstance(logprobs, DraftCandidates):
+        top_lp = logprobs.logprobs[..., :num_top].float().reshape(-1, num_top).contiguous()
+        top_tok = logprobs.tokens[..., :num_top].reshape(-1, num_top).contiguous()
+    else:
+        top_lp = torch.empty(bs * num_modes * depth, num_top, dtype=torch.float32, device=dev)
+        top_tok = torch.empty(bs * num_modes * depth, num_top, **i64)
+        tile_v = max(bb, min(_pow2(vocab), 1024))
+        _vocab_topk_kernel[(bs * num_modes * depth,)](
+            logprobs.contiguous(), top_lp, top_tok, vocab, num_top, BB=bb, TILE_V=tile_v
+        )
 
     entries = (bs, depth, num_entries)
     beam_score = torch.empty(entries, dtype=torch.float32, device=dev)

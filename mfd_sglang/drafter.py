@@ -21,6 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import DrafterCheckpoint, DrafterConfig
+from .tree import DraftCandidates
+
+# Vocabulary rows scored at once when only the top candidates are needed: bounds the draft's
+# memory to [bs, K, D, VOCAB_CHUNK] logits (plus their sort) whatever the vocabulary size.
+VOCAB_CHUNK = 4096
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,6 +47,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chunk_size: int = VOCAB_CHUNK) -> DraftCandidates:
+    """The `count` best rows of `hidden @ weight.T` per leading index, as log-probabilities over all
+    rows (float32), best first and equal logits in row order, one chunk of rows at a time.
+
+    hidden [..., H], weight [V, H] (V < 2^31). The log-normaliser is accumulated online (running max
+    and rescaled sum); the ranking is by logit, which orders like the log-probability. Against
+    `log_softmax` of the whole row the values differ only by the rounding of the normaliser.
+    Each logit and its row form one distinct int64 key (as in the Triton tree kernel), so a plain
+    top-k (no full sort, no tie ambiguity) keeps the running best.
+    """
+    vocab = weight.shape[0]
+    count = min(count, vocab)
+    lead = hidden.shape[:-1]
+    best = torch.empty(*lead, 0, dtype=torch.int64, device=hidden.device)
+    row_max = torch.full(lead, float("-inf"), device=hidden.device)
+    row_sum = torch.zeros(lead, device=hidden.device)
+    for start in range(0, vocab, chunk_size):
+        logits = (hidden @ weight[start : start + chunk_size].T).float()
+        new_max = torch.maximum(row_max, logits.amax(-1))
+        row_sum = row_sum * torch.exp(row_max - new_max) + torch.exp(logits - new_max[..., None]).sum(-1)
+        row_max = new_max
+        ids = torch.arange(start, start + logits.shape[-1], device=hidden.device)
+        merged = torch.cat([best, _rank_keys(logits, ids)], -1)
+        best = merged.topk(min(count, merged.shape[-1]), dim=-1).values
+    logits, ids = _from_rank_keys(best)
+    return DraftCandidates(logits - (row_max + row_sum.log())[..., None], ids, vocab)
+
+
+_LOW31 = 0x7FFFFFFF
+
+
+def _rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered like (value, -id): the float's order-preserving int32 bits in the high half
+    (negative floats flip their magnitude bits; -0.0 counts as +0.0), 2^31 - 1 - id in the low half."""
+    bits = torch.where(values == 0, torch.zeros_like(values), values).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & _LOW31)
+    return (ordered.to(torch.int64) << 32) + (_LOW31 - ids)
+
+
+def _from_rank_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_rank_keys`: (float32 values, int64 ids)."""
+    ordered = (keys >> 32).to(torch.int32)
+    return (ordered ^ ((ordered >> 31) & _LOW31)).view(torch.float32), _LOW31 - (keys & 0xFFFFFFFF)
 
 
 def context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids) -> torch.Tensor:
@@ -238,21 +288,38 @@ class MFDDrafter(nn.Module):
             masks.append(mask[:, None])
         return masks
 
-    def block_logprobs(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
-                       lm_head_weight: torch.Tensor, *, single_mode: bool = False) -> torch.Tensor:
-        """Log-probs [bs, K', D, Vd] of the blocks `[root, MASK...]` at positions starts.. over the
-        context (DraftContext or paged), with the target's embeddings and head."""
+    def block_hidden(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor, *,
+                     single_mode: bool = False) -> torch.Tensor:
+        """Final hidden states [bs, K', D, H] of the blocks `[root, MASK...]` at positions starts.. over
+        the context (DraftContext or paged), with the target's embeddings."""
         block = self.cfg.block_size
         tokens = torch.full((roots.shape[0], block), self.cfg.mask_token_id, device=roots.device)
         tokens[:, 0] = roots
         positions = starts[:, None].long() + torch.arange(block, device=roots.device)
-        hidden = self(embed_weight[tokens], positions, context, single_mode=single_mode)
+        return self(embed_weight[tokens], positions, context, single_mode=single_mode)
+
+    def block_logprobs(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
+                       lm_head_weight: torch.Tensor, *, single_mode: bool = False) -> torch.Tensor:
+        """Log-probs [bs, K', D, Vd] of the blocks (the full distributions: training, evaluation)."""
+        hidden = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
         return self.logprobs(hidden, lm_head_weight)
+
+    def block_candidates(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
+                         head_weight: torch.Tensor, count: int, *, single_mode: bool = False,
+                         chunk_size: int = VOCAB_CHUNK) -> DraftCandidates:
+        """The `count` best draft tokens of every (mode, position) of the blocks and their
+        log-probabilities (what a tree of budget `count` reads), over the vocabulary in chunks of
+        `chunk_size`: no [bs, K', D, Vd] tensor is made. head_weight: `self.head_weight(lm_head)`."""
+        hidden = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
+        return vocab_candidates(hidden, head_weight, count, chunk_size)
+
+    def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's lm_head the drafter scores: the draft vocabulary's (a copy), or all."""
+        return lm_head_weight if self.draft_vocab is None else lm_head_weight[self.draft_vocab]
 
     def logprobs(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Log-probabilities over the draft vocabulary (or the full one) [..., Vd], in fp32."""
-        weight = lm_head_weight if self.draft_vocab is None else lm_head_weight[self.draft_vocab]
-        return torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+        return torch.log_softmax((hidden @ self.head_weight(lm_head_weight).T).float(), dim=-1)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]

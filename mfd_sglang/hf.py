@@ -28,7 +28,8 @@ from .checkpoint import check_fits_target, load_drafter
 from .drafter import DraftContext, MFDDrafter, context_features
 from .tree import DraftTree, build_chain, build_mixture_tree
 from .tree_layout import tree_ancestor_mask
-from .verify import TreeVerifyResult, sample_from_logits, verify_tree_greedy, verify_tree_sampling
+from .verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
+                     verify_tree_sampling)
 
 STAGES = ("draft", "tree", "verify", "commit")
 
@@ -38,7 +39,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # row b of a batch uses seed + b (a server request would pass it as sampling_seed)
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -77,7 +79,7 @@ class _State:
     context: DraftContext  # drafter keys/values of the committed tokens (holes are masked)
     lengths: torch.Tensor  # [bs] committed tokens in the target KV
     roots: torch.Tensor  # [bs] last emitted token of each row: not yet in any cache
-    generator: torch.Generator | None
+    sampling: Sampling | None  # None: greedy
     stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
@@ -140,24 +142,24 @@ class SpeculativeGenerator:
         out = self.target(ids, position_ids=slots[None].expand(len(prompts), -1),
                           attention_mask=additive_mask(causal & valid[:, None, :], self.dtype),
                           past_key_values=cache, use_cache=True, output_hidden_states=True)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        sampling = None if params.greedy else self._sampling(len(prompts), params)
         last_logits = out.logits[torch.arange(len(prompts)), lengths - 1]
-        roots = self._pick(last_logits, params, generator)
+        if sampling is None:
+            roots = last_logits.argmax(-1)
+        else:  # the token after the last prompt token (position lengths - 1)
+            roots = sample_from_logits(last_logits.float(), sampling, lengths - 1)
         features = context_features(out.hidden_states, self.layer_ids)
         context = self.drafter.context_kv(features, slots[None].expand(len(prompts), -1), valid)
-        return _State(cache, context, lengths, roots, generator)
+        return _State(cache, context, lengths, roots, sampling)
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
-        if params.greedy:
-            return logits.argmax(-1)
-        return sample_from_logits(logits.float(), *self._sampling_tensors(logits.shape[0], params), generator)
-
-    def _sampling_tensors(self, bs: int, params: SamplingParams):
-        return (torch.full((bs,), params.temperature, device=self.device),
-                torch.full((bs,), params.top_k, device=self.device),
-                torch.full((bs,), params.top_p, device=self.device))
+    def _sampling(self, bs: int, params: SamplingParams) -> Sampling:
+        # One stream per row: seed + row, else fresh random seeds (torch's global generator).
+        rows = torch.arange(bs, device=self.device)
+        seeds = random_seeds(bs, self.device) if params.seed is None else params.seed + rows
+        return Sampling(torch.full((bs,), params.temperature, device=self.device),
+                        torch.full((bs,), params.top_k, device=self.device),
+                        torch.full((bs,), params.top_p, device=self.device),
+                        torch.full((bs,), params.min_p, device=self.device), seeds)
 
     # --- the four stages ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -183,7 +185,8 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def verify(self, state: _State, tree: DraftTree, params: SamplingParams):
-        """One target forward over [root, tree nodes] per row; returns the walk's result and the forward output."""
+        """One target forward over [root, tree nodes] per row; returns the walk's result and the forward output.
+        The sampling settings and seeds are the state's, fixed at prefill (params is kept for callers)."""
         input_ids = torch.cat([state.roots[:, None], tree.tokens], dim=1)
         depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
         cache_width = state.cache.get_seq_length()
@@ -194,11 +197,10 @@ class SpeculativeGenerator:
                           attention_mask=additive_mask(visible, self.dtype), past_key_values=state.cache,
                           use_cache=True, output_hidden_states=True)
         logits = out.logits.float()
-        if params.greedy:
+        if state.sampling is None:
             result = verify_tree_greedy(tree, logits)
         else:
-            result = verify_tree_sampling(tree, logits, *self._sampling_tensors(logits.shape[0], params),
-                                          generator=state.generator)
+            result = verify_tree_sampling(tree, logits, state.sampling, state.lengths)
         return result, out
 
     @torch.inference_mode()

@@ -3,7 +3,8 @@
 SGLang calls `register()` once per process (launcher, scheduler, detokenizer) before it parses
 arguments, so what is registered here is known everywhere:
   - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.algorithms`);
-  - their HookRegistry hooks: the drafter-path check before SGLang reads the drafter
+  - their HookRegistry hooks: the target check (hybrid / sliding-window targets are refused) and
+    the drafter-path check before SGLang's argument resolution acts on them
     (`mfd_sglang.patches.launch_checks`), the per-request checks
     (`mfd_sglang.patches.request_checks`) and the tree-verify CUDA-graph runner
     (`mfd_sglang.patches.verify_graph`);

@@ -8,6 +8,11 @@ the set is prefix-closed. With one mode this is DDTree; `build_chain` is the DFl
 Everything is fixed-shape and host-sync free (it must run inside CUDA graphs) and batched over a
 leading bs dim; an unbatched input gives an unbatched tree.
 
+The tree only ever reads, per (mode, depth), the min(budget, V) best tokens and their
+log-probabilities. `DraftCandidates` holds exactly those; `build_mixture_tree` takes them in place
+of the full [.., V] log-probabilities (the serving path computes them from the drafter's hidden
+states in vocabulary chunks, `MFDDrafter.block_candidates`, so no [bs, K, D, V] tensor exists).
+
 Conventions of `DraftTree`:
   * nodes are in rank order (best score first, padding last), so parents precede children;
   * `parents` holds the node index of the parent, -1 for a child of the root;
@@ -36,10 +41,34 @@ class DraftTree:
     valid: Tensor  # bool, False only for padding
 
 
-def build_mixture_tree(logprobs: Tensor, budget: int, *, backend: str = "torch") -> DraftTree:
+@dataclass
+class DraftCandidates:
+    """Per (mode, depth) the C best tokens of the drafter and their log-probabilities, best first,
+    equal log-probabilities in token-id order (what `top_candidates` takes from full log-probs).
+
+    logprobs [bs, K, D, C] float32 (float64 for float64 input); tokens [bs, K, D, C] int64 ids in
+    [0, vocab); vocab: the size of the vocabulary they were ranked over. A tree of budget B reads
+    the first min(B, vocab) candidates, so C >= min(B, vocab) is required.
+    """
+
+    logprobs: Tensor
+    tokens: Tensor
+    vocab: int
+
+
+def top_candidates(logprobs: Tensor, count: int) -> DraftCandidates:
+    """The `count` best tokens of full log-probabilities [bs, K, D, V] (ties to the lower id)."""
+    top_logprobs, top_tokens = _top_ranked(logprobs, min(count, logprobs.shape[-1]))
+    # Sum in at least float32: a bf16 drafter's path scores would lose their ordering.
+    top_logprobs = top_logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
+    return DraftCandidates(top_logprobs, top_tokens, logprobs.shape[-1])
+
+
+def build_mixture_tree(logprobs: Tensor | DraftCandidates, budget: int, *, backend: str = "torch") -> DraftTree:
     """The `budget` best distinct prefixes of a K-mode drafter, exactly.
 
-    logprobs: [K, D, V] or [bs, K, D, V] per-mode, per-depth log-probabilities.
+    logprobs: [K, D, V] or [bs, K, D, V] per-mode, per-depth log-probabilities, or their
+    `DraftCandidates` (batched; the same tree).
     backend: "torch" (this module), or "triton" (`mfd_sglang.kernels.mixture_tree`: bit-identical
     output, float32/float16/bfloat16 input only; needs a CUDA tensor, or TRITON_INTERPRET=1 set
     before triton is imported for CPU tensors, else ValueError).
@@ -50,18 +79,25 @@ def build_mixture_tree(logprobs: Tensor, budget: int, *, backend: str = "torch")
         )
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    if logprobs.dim() == 3:
+    if isinstance(logprobs, DraftCandidates):
+        candidates = logprobs
+        if candidates.logprobs.dim() != 4 or candidates.logprobs.shape[-1] < min(budget, candidates.vocab):
+            raise ValueError(f"candidates must be [bs, K, D, C] with C >= min(budget, vocab) = "
+                             f"{min(budget, candidates.vocab)}, not {tuple(candidates.logprobs.shape)}")
+    elif logprobs.dim() == 3:
         return _without_batch(build_mixture_tree(logprobs[None], budget, backend=backend))
-    if logprobs.dim() != 4:
+    elif logprobs.dim() != 4:
         raise ValueError(f"logprobs must be [K, D, V] or [bs, K, D, V], not {logprobs.shape}")
     if backend == "triton":
         # Imported here: the torch backend must not need triton.
         from mfd_sglang.kernels.mixture_tree import build_mixture_tree_triton
 
         return build_mixture_tree_triton(logprobs, budget)
-    _, num_modes, _, vocab = logprobs.shape
-    scores, tokens, parents = _per_mode_beams(logprobs, budget)
-    scores, modes, parents = _dedupe_prefixes(scores, tokens, parents, num_modes, vocab)
+    if not isinstance(logprobs, DraftCandidates):
+        candidates = top_candidates(logprobs, budget)
+    num_modes = candidates.logprobs.shape[1]
+    scores, tokens, parents = _per_mode_beams(candidates, budget)
+    scores, modes, parents = _dedupe_prefixes(scores, tokens, parents, num_modes, candidates.vocab)
     return _select_top_budget(scores, modes, parents, tokens, budget)
 
 
@@ -85,7 +121,7 @@ def build_chain(logprobs: Tensor, *, mode: int = 0) -> DraftTree:
     )
 
 
-def _per_mode_beams(logprobs: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+def _per_mode_beams(candidates: DraftCandidates, width: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per mode and depth, the `width` best prefixes of that mode at that depth.
 
     A mode's score is a sum of per-depth terms independent of the parent, so its top-`width` at
@@ -94,19 +130,17 @@ def _per_mode_beams(logprobs: Tensor, width: int) -> tuple[Tensor, Tensor, Tenso
     (flat index of the parent entry at depth d-1), each [bs, D, K * width]; slots that hold no
     prefix score -inf.
     """
-    bs, num_modes, depth, vocab = logprobs.shape
-    top_logprobs, top_tokens = _top_ranked(logprobs, min(width, vocab))
-    # Sum in at least float32: a bf16 drafter's path scores would lose their ordering.
-    top_logprobs = top_logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
-    num_top = top_logprobs.shape[-1]
-    mode_offsets = torch.arange(num_modes, device=logprobs.device)[:, None] * width
+    num_top = min(width, candidates.vocab)
+    top_logprobs, top_tokens = candidates.logprobs[..., :num_top], candidates.tokens[..., :num_top]
+    bs, num_modes, depth, _ = top_logprobs.shape
+    mode_offsets = torch.arange(num_modes, device=top_logprobs.device)[:, None] * width
     # Depth 0 is the root alone: slot 0 scores 0, the other slots hold nothing.
     beam = top_logprobs.new_full((bs, num_modes, width), float("-inf"))
     beam[..., 0] = 0.0
     scores, tokens, parents = [], [], []
     for d in range(depth):
-        candidates = beam[..., :, None] + top_logprobs[:, :, d, None, :]
-        beam, flat = _top_ranked(candidates.flatten(-2), width)
+        extended = beam[..., :, None] + top_logprobs[:, :, d, None, :]
+        beam, flat = _top_ranked(extended.flatten(-2), width)
         scores.append(beam.flatten(1))
         tokens.append(top_tokens[:, :, d].gather(-1, flat % num_top).flatten(1))
         parents.append((flat // num_top + mode_offsets).flatten(1))

@@ -11,6 +11,14 @@ so the accepted nodes form one path from the root; the target's token at the pat
 bonus. Every emitted token is therefore the target's own choice after the tokens before it, which
 makes sampling lossless.
 
+Sampling follows SGLang's plain sampler (`sglang.srt.layers.sampler`, the pytorch backend): softmax
+of logits / temperature; top-k and top-p applied jointly to the sorted, un-renormalised
+probabilities; then min-p against the largest probability. The draw at a node uses one uniform coin
+fixed by (the request's seed, the position of the node's token). Nodes at one depth share that
+coin, and only one of them can be on the accepted path, so the emitted tokens are exactly those of
+plain autoregressive sampling with these coins: a function of the seed and the request alone, the
+same for any tree, drafter, batch or run.
+
 Everything is fixed-shape and host-sync free.
 """
 
@@ -37,55 +45,115 @@ class TreeVerifyResult:
     bonus_tokens: Tensor  # [bs] int64, the target's token after the last accepted node
 
 
+@dataclass
+class Sampling:
+    """Per-request sampling settings, each [bs], as SGLang's SamplingBatchInfo holds them."""
+
+    temperature: Tensor  # float, > 0
+    top_k: Tensor  # int; <= 0 or >= V: off (SGLang's "off" is 1 << 30); 1: greedy
+    top_p: Tensor  # float in (0, 1]; 1: off
+    min_p: Tensor  # float in [0, 1]; 0: off
+    seeds: Tensor  # int64: the request's random stream (see `stream_coins`, `random_seeds`)
+    # A host-side bound on every top_k (SGLang's SamplingBatchInfo.max_top_k): with it only the
+    # max_top_k most likely tokens are sorted. None when some request has no top-k, or when a request
+    # has a seed of its own: topk may order tied probabilities otherwise than the full (stable) sort,
+    # and the bound is batch-wide, so a seeded request's tokens would depend on the rest of the batch
+    # (SGLang keeps the full sort for seeded sampling for the same reason).
+    max_top_k: int | None = None
+
+
 def verify_tree_greedy(tree: DraftTree, target_logits: Tensor) -> TreeVerifyResult:
     """Accept the longest tree path that the target's argmax agrees with."""
     return _accept_path(tree, target_logits.argmax(dim=-1))
 
 
-def verify_tree_sampling(
-    tree: DraftTree,
-    target_logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    generator: torch.Generator | None = None,
-) -> TreeVerifyResult:
+def verify_tree_sampling(tree: DraftTree, target_logits: Tensor, sampling: Sampling,
+                         root_positions: Tensor) -> TreeVerifyResult:
     """Accept the tree path that one target sample per node agrees with.
 
-    temperature [bs] (> 0), top_k [bs] (<= 0 or >= V: off), top_p [bs] (1.0: off).
+    root_positions [bs]: the position of each request's root token. Node i's token sits at
+    root_positions + its depth; the draw after it (the token its children are matched against)
+    uses that position's coin.
     """
-    target_tokens = sample_from_logits(
-        target_logits, temperature[:, None], top_k[:, None], top_p[:, None], generator
-    )
+    depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    target_tokens = sample_from_logits(target_logits, sampling, root_positions[:, None] + depths)
     return _accept_path(tree, target_tokens)
 
 
-def sample_from_logits(
-    logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """One token per row of logits [..., V], drawn from softmax(logits / temperature) restricted
-    to the top_k tokens, then to the smallest head of those holding top_p of their mass.
+def sample_from_logits(logits: Tensor, sampling: Sampling, positions: Tensor) -> Tensor:
+    """One token per row of logits [bs, ..., V] under SGLang's plain law (`plain_law`), drawn by
+    inversion with the coin of (the request's seed, positions [bs, ...]): positions[...] is the
+    position of the token the row's distribution follows. Returns int64 [bs, ...]."""
+    extra = positions.dim() - 1
 
-    temperature (> 0), top_k (<= 0 or >= V: off) and top_p (1.0: off) broadcast against the
-    leading dims of `logits`. Returns int64 tokens of shape logits.shape[:-1].
-    """
-    vocab = logits.shape[-1]
-    scaled = logits.float() / temperature[..., None]
-    sorted_logits, sorted_tokens = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)
-    top_k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-    probs = sorted_logits.masked_fill(ranks >= top_k[..., None], float("-inf")).softmax(dim=-1)
-    # Keep the tokens whose preceding mass is below top_p; top_p >= 1 keeps all despite rounding.
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep = (mass_before < top_p[..., None]) | (top_p[..., None] >= 1)
-    probs = probs.masked_fill(~keep, 0.0)
-    # Exponential race: argmax(p / E), E ~ Exp(1), samples p (unnormalised) without a host sync.
-    race = probs / torch.empty_like(probs).exponential_(generator=generator)
-    return sorted_tokens.gather(-1, race.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    def per_request(x: Tensor) -> Tensor:
+        return x.reshape(x.shape + (1,) * extra)
+
+    top_k = per_request(sampling.top_k)
+    weights = plain_law(logits, per_request(sampling.temperature), top_k, per_request(sampling.top_p),
+                        per_request(sampling.min_p), sampling.max_top_k)
+    # Inversion over the weights in token-id order.
+    cdf = weights.cumsum(dim=-1)
+    # coin in (0, 1) keeps the target in (0, total]: the first column whose cdf reaches it has a
+    # positive weight and exists.
+    target = stream_coins(per_request(sampling.seeds), positions) * cdf[..., -1]
+    tokens = (cdf < target[..., None]).sum(dim=-1)
+    # Greedy requests (top_k 1) take the argmax itself, as SGLang's greedy path does (a sort may
+    # order exactly tied logits differently).
+    return torch.where(top_k == 1, logits.argmax(dim=-1), tokens)
+
+
+def plain_law(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+              max_top_k: int | None = None) -> Tensor:
+    """The weights [..., V] (token-id order, un-normalised: the probability where kept, else 0) of
+    SGLang's plain sampler, `top_k_top_p_min_p_sampling_from_probs_torch` after softmax(logits /
+    temperature): rank < top_k and mass before the token <= top_p, both on the sorted
+    un-renormalised probabilities; then probability >= min_p * the largest. The settings broadcast
+    against logits.shape[:-1]."""
+    probs = torch.softmax(logits.float() / temperature[..., None], dim=-1)
+    vocab = probs.shape[-1]
+    if max_top_k is not None and max_top_k < vocab:
+        # Top-k drops every rank >= top_k <= max_top_k, so these columns hold all that can survive.
+        sorted_probs, ids = probs.topk(max_top_k, dim=-1)
+    else:  # stable: tied probabilities in token-id order on every device, not as a sort happens to leave them
+        sorted_probs, ids = probs.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(sorted_probs.shape[-1], device=probs.device)
+    top_k = torch.where(top_k > 0, top_k, vocab)
+    # SGLang's mass before a token: the inclusive cumsum minus the token (the same float rounding).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (ranks < top_k[..., None]) & (mass_before <= top_p[..., None])
+    keep &= sorted_probs >= sorted_probs[..., :1] * min_p[..., None]  # rank 0 is always kept
+    return torch.zeros_like(probs).scatter_(-1, ids, sorted_probs * keep)
+
+
+def stream_coins(seeds: Tensor, positions: Tensor) -> Tensor:
+    """A uniform coin in (0, 1) for each (seed, position) pair (they broadcast): a hash, so the
+    same pair gives the same coin on any device, in any batch, in any run, and a request's coins
+    are its own. float32 multiples of 2**-24, odd ones: 0 and 1 never occur."""
+    seeds, positions = torch.broadcast_tensors(seeds.long(), positions.long())
+    h = _mix32((positions & 0xFFFFFFFF) ^ 0x9E3779B9)
+    h = _mix32(h ^ (seeds & 0xFFFFFFFF))
+    h = _mix32(h ^ ((seeds >> 32) & 0xFFFFFFFF))
+    return ((h >> 9) * 2 + 1).float() * 2.0**-24
+
+
+def random_seeds(n: int, device, generator: torch.Generator | None = None) -> Tensor:
+    """n fresh seeds [n] int64 for requests that gave none (drawn on the device: no host sync)."""
+    return torch.randint(0, 2**62, (n,), device=device, generator=generator)
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser (a bijection with full avalanche) on int64 values < 2**32."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _mul32(a: Tensor, c: int) -> Tensor:
+    """a * c mod 2**32 for a < 2**32 without overflowing int64: c in 16-bit halves."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
 
 def _accept_path(tree: DraftTree, target_tokens: Tensor) -> TreeVerifyResult:

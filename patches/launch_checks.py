@@ -1,6 +1,12 @@
-"""Check the MFD drafter path before SGLang reads it (SGLang 0.5.23).
+"""Launch checks that must run before SGLang's own argument resolution reaches them (SGLang 0.5.23).
 
-Wraps ``sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias`` (BEFORE).
+1. The target. Wraps ``sglang.srt.arg_groups.pipeline.run_resolution_pipeline`` (BEFORE), which
+``ServerArgs`` runs first thing at launch. Its model-specific steps already act on hybrid targets
+(e.g. the mamba radix cache hook asserts on CPUs) long before an algorithm's own check, so a target on
+which MFD's tree verify would be silently wrong (``mfd_sglang.serving.target_checks``) is refused here,
+with its architecture and the reason, before any of them. Other algorithms are untouched.
+
+2. The drafter path. Wraps ``sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias`` (BEFORE).
 During argument resolution SGLang calls it with the algorithm name and the draft model path, and
 it loads the drafter's config.json through the Hugging Face hub helpers before any
 algorithm-specific check runs. A missing local directory then fails with "Repo id must be in the
@@ -13,6 +19,20 @@ from __future__ import annotations
 
 SGLANG_VERSION = "0.5.23"
 RESOLVE_ALGORITHM_ALIAS = "sglang.srt.arg_groups.speculative_hook._resolve_speculative_algorithm_alias"
+RESOLUTION_PIPELINE = "sglang.srt.arg_groups.pipeline.run_resolution_pipeline"
+
+
+def refuse_unsupported_target_before(server_args=None, *args, **kwargs):
+    """BEFORE hook: raise for MFD / MFD_D on a target whose tree verify SGLang would get wrong."""
+    from mfd_sglang.serving.algorithms import ALGORITHMS
+    from mfd_sglang.serving.target_checks import target_refusal
+
+    if str(getattr(server_args, "speculative_algorithm", None) or "").upper() not in ALGORITHMS:
+        return
+    refusal = target_refusal(server_args.model_path, trust_remote_code=bool(server_args.trust_remote_code),
+                             revision=getattr(server_args, "revision", None))
+    if refusal:
+        raise ValueError(refusal)
 
 
 def check_mfd_drafter_before(speculative_algorithm=None, speculative_draft_model_path=None, *args, **kwargs):
@@ -25,7 +45,8 @@ def check_mfd_drafter_before(speculative_algorithm=None, speculative_draft_model
 
 
 def install() -> None:
-    """Register the hook (once per process); SGLang's load_plugins() applies it."""
+    """Register the hooks (once per process); SGLang's load_plugins() applies it."""
     from mfd_sglang.patches import register_once
 
+    register_once(RESOLUTION_PIPELINE, refuse_unsupported_target_before, "before")
     register_once(RESOLVE_ALGORITHM_ALIAS, check_mfd_drafter_before, "before")

@@ -5,8 +5,8 @@ it for every new request of a DFlash-family algorithm (``Scheduler.handle_genera
 when it returns a message, finishes that request with the message as a 400 error instead of
 scheduling it. MFD is DFlash-family (see ``mfd_sglang.serving.algorithms``), so this is the one
 place where an unsupported request can be refused before it reaches the worker: the worker's
-verification applies temperature / top-k / top-p only, and a feature that changes the target's
-distribution (penalties, logit bias, grammars, min-p) would otherwise be ignored silently.
+verification applies temperature / top-k / top-p / min-p (and sampling_seed) only, and a feature that
+changes the target's distribution (penalties, logit bias, grammars) would otherwise be ignored silently.
 The wrapper only adds checks when the server runs MFD or MFD_D; other algorithms see the original.
 HookRegistry rebinds the scheduler's by-name import. Re-check the call site on SGLang upgrades.
 """
@@ -23,7 +23,6 @@ def unsupported_request_features(req) -> list[str]:
     checks = [
         ("return_logprob", bool(getattr(req, "return_logprob", False))),
         ("return_hidden_states", bool(getattr(req, "return_hidden_states", False))),
-        ("min_p", (params.min_p or 0.0) > 0.0),
         ("frequency_penalty", (params.frequency_penalty or 0.0) != 0.0),
         ("presence_penalty", (params.presence_penalty or 0.0) != 0.0),
         ("repetition_penalty", (params.repetition_penalty or 1.0) != 1.0),

@@ -1,9 +1,14 @@
-"""The pure-torch `sgl_kernel` stand-in (mfd_sglang/cpu/sgl_kernel_standin) against the Triton
-twins inside SGLang 0.5.23, run under TRITON_INTERPRET=1 on random inputs of several shapes.
+"""The pure-torch `sgl_kernel` stand-in (mfd_sglang/cpu/sgl_kernel_standin).
 
-TRITON_INTERPRET must be set before triton is imported, and other test modules import triton
-earlier in the same pytest process, so the comparisons run in one fresh subprocess (this file run
-as a script: `python tests/test_cpu_standins.py`), and each test reads its own verdict."""
+The `*_cpu` helpers of SGLang's CPU engine against the Triton twins inside SGLang 0.5.23, run under
+TRITON_INTERPRET=1 on random inputs of several shapes. TRITON_INTERPRET must be set before triton is
+imported, and other test modules import triton earlier in the same pytest process, so these
+comparisons run in one fresh subprocess (this file run as a script: `python tests/test_cpu_standins.py`),
+and each test reads its own verdict.
+
+The names SGLang binds on CUDA (model_ops and the placeholders) against independent float64 / Python
+references in this process, on CPU and, when present, on CUDA; and SGLang's CUDA modules imported with
+torch.cuda.is_available forced true, in a subprocess."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN_DIR = REPO / "mfd_sglang" / "cpu" / "sgl_kernel_standin"
@@ -66,6 +72,369 @@ def test_full_mask_hooks(verdicts):
 
 def test_no_torch_ops_registered(verdicts):
     assert verdicts["_torch_ops"]["ok"], verdicts["_torch_ops"]["detail"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops SGLang binds from sgl_kernel on CUDA (run in this process, on CPU and, when present, CUDA)
+# ------------------------------------------------------------------------------------------------
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+# (module, name) of every placeholder: imported by SGLang on CUDA, never called for a dense bf16 / fp32 model
+PLACEHOLDERS = [("", n) for n in ("int8_scaled_mm", "moe_sum", "moe_sum_reduce")] + [
+    ("quantization", n) for n in ("ggml_dequantize", "ggml_moe_a8", "ggml_mul_mat_a8", "ggml_mul_mat_vec_a8")
+] + [("kvcacheio", "transfer_kv_" + n) for n in (
+    "all_layer", "all_layer_direct_lf_pf", "all_layer_lf_pf", "all_layer_lf_ph", "all_layer_mla",
+    "all_layer_mla_lf_pf", "direct", "per_layer", "per_layer_direct_pf_lf", "per_layer_mla", "per_layer_mla_pf_lf",
+    "per_layer_pf_lf", "per_layer_ph_lf")]
+
+
+@pytest.fixture(scope="module")
+def standin():
+    """The stand-in package and its submodules, imported from STANDIN_DIR and then taken out of
+    sys.modules / sys.path again, so that nothing imported later in this process mistakes it for an
+    installed sgl_kernel."""
+    import importlib
+    import types
+
+    def ours(name: str) -> bool:
+        return name == "sgl_kernel" or name.startswith("sgl_kernel.")
+
+    saved = {k: v for k, v in sys.modules.items() if ours(k)}
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, str(STANDIN_DIR))
+    try:
+        pkg = importlib.import_module("sgl_kernel")
+        subs = {n: importlib.import_module(f"sgl_kernel.{n}") for n in ("kvcacheio", "quantization", "utils")}
+    finally:
+        sys.path.remove(str(STANDIN_DIR))
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    assert getattr(pkg, "MFD_SGLANG_CPU_STANDIN", False), pkg.__file__
+    return types.SimpleNamespace(pkg=pkg, **subs)
+
+
+def _close(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype) -> None:
+    """got (dtype) equals the float64 reference up to one rounding to dtype: in bf16 nearly every
+    element is exactly the rounded reference, as when the op computes in fp32 and rounds once (an
+    extra bf16 rounding inside the op, e.g. of silu(gate) before the product, misses often)."""
+    assert got.dtype == dtype
+    want = want64.to(dtype)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        # away from the tails where fp32 itself cancels (GELU of x << 0), in which the op and the
+        # float64 reference part by more than a rounding
+        away = want64.abs() >= 1e-2
+        exact = (got == want)[away].double().mean().item()
+        assert exact >= 0.98, f"only {exact:.1%} of the bf16 elements equal the once-rounded reference"
+
+
+def _rms_ref(x64: torch.Tensor, w64: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * (w64 + offset)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rmsnorm_matches_reference(standin, device, dtype, gemma):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype).to(device)
+    w = (torch.randn(96, generator=g) * 0.5 + 1).to(dtype).to(device)
+    fn = standin.pkg.gemma_rmsnorm if gemma else standin.pkg.rmsnorm
+    before = x.clone()
+    got = fn(x, w, 1e-5)
+    want = _rms_ref(x.double(), w.double(), 1e-5, 1.0 if gemma else 0.0)
+    _close(got, want, dtype)
+    assert torch.equal(x, before)  # returns a new tensor, input untouched
+    out = torch.empty_like(x)
+    assert fn(x, w, 1e-5, out=out) is out and torch.equal(out, got)
+    # any leading shape (the Qwen3 q/k norms see [tokens, heads, head_dim])
+    _close(fn(x.view(7, 4, 24), w[:24], 1e-5), _rms_ref(x.view(7, 4, 24).double(), w[:24].double(), 1e-5,
+                                                           1.0 if gemma else 0.0), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_fused_add_rmsnorm_updates_input_and_residual_in_place(standin, device, dtype, gemma):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 64, generator=g).to(dtype).to(device)
+    residual = (torch.randn(9, 64, generator=g) * 2).to(dtype).to(device)
+    w = (torch.randn(64, generator=g) * 0.5 + 1).to(dtype).to(device)
+    total = x.double() + residual.double()
+    fn = standin.pkg.gemma_fused_add_rmsnorm if gemma else standin.pkg.fused_add_rmsnorm
+    assert fn(x, residual, w, 1e-6) is None
+    _close(residual, total, dtype)
+    _close(x, _rms_ref(total, w.double(), 1e-6, 1.0 if gemma else 0.0), dtype)
+
+
+def _gelu_ref(a: torch.Tensor) -> torch.Tensor:
+    return 0.5 * a * (1 + torch.erf(a / 2**0.5))
+
+
+def _gelu_tanh_ref(a: torch.Tensor) -> torch.Tensor:
+    return 0.5 * a * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (a + 0.044715 * a**3)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,act", [("silu_and_mul", lambda a: a / (1 + torch.exp(-a))),
+                                      ("gelu_and_mul", _gelu_ref), ("gelu_tanh_and_mul", _gelu_tanh_ref)])
+def test_gated_activation_matches_reference(standin, device, dtype, name, act):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 5, 2 * 40, generator=g) * 3).to(dtype).to(device)
+    fn = getattr(standin.pkg, name)
+    x64 = x.double()
+    want = act(x64[..., :40]) * x64[..., 40:]
+    got = fn(x)
+    assert got.shape == (3, 5, 40)
+    _close(got, want, dtype)
+    out = torch.empty(3, 5, 40, dtype=dtype, device=device)
+    assert fn(x, out) is out and torch.equal(out, got)
+    with pytest.raises(ValueError, match="shape"):
+        fn(x, torch.empty(3, 5, 80, dtype=dtype, device=device))
+
+
+def _random_probs(g, rows: int, vocab: int) -> torch.Tensor:
+    probs = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2, dim=-1)
+    probs[0, :5] = probs[0].max() + 0.1  # row 0: its 5 largest probabilities tie
+    return (probs / probs.sum(-1, keepdim=True)).float()
+
+
+def _renorm_ref(probs: torch.Tensor, keep) -> torch.Tensor:
+    """Row by row in Python: keep(row values) -> the pivot; values >= pivot kept, renormalised."""
+    out = torch.zeros(probs.shape, dtype=torch.float64)
+    for r, row in enumerate(probs.double().tolist()):
+        pivot = keep(r, sorted(row, reverse=True))
+        kept = [v if v >= pivot else 0.0 for v in row]
+        out[r] = torch.tensor(kept) / sum(kept)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_renorm_prob_matches_reference(standin, device):
+    g = torch.Generator().manual_seed(6)
+    probs = _random_probs(g, 6, 50)
+    # row 0: k = 2 lands inside the 5-way tie (all 5 are kept); TOP_K_ALL (1 << 30) keeps everything
+    ks = torch.tensor([2, 1, 7, 50, 1 << 30, 13])
+    want = _renorm_ref(probs, lambda r, desc: desc[min(int(ks[r]), len(desc)) - 1])
+    got = standin.pkg.top_k_renorm_prob(probs.to(device), ks.to(device))
+    assert got.dtype == torch.float32 and got.device.type == device
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-6, rtol=1e-6)
+    assert int((got[0] > 0).sum()) == 5 and int((got[4] > 0).sum()) == 50
+    # a plain int applies to every row
+    want3 = _renorm_ref(probs, lambda r, desc: desc[2])
+    torch.testing.assert_close(standin.pkg.top_k_renorm_prob(probs.to(device), 3).double().cpu(), want3,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_renorm_prob_matches_reference(standin, device):
+    g = torch.Generator().manual_seed(7)
+    probs = _random_probs(g, 6, 50)
+    ps = torch.tensor([0.5, 0.05, 0.3, 0.9, 1.0, 0.75])
+
+    def nucleus_pivot(r, desc):
+        """The smallest value of the shortest descending prefix holding mass >= p (all if none)."""
+        mass = 0.0
+        for v in desc:
+            mass += v
+            if mass >= float(ps[r]):
+                return v
+        return desc[-1]
+
+    want = _renorm_ref(probs, nucleus_pivot)
+    got = standin.pkg.top_p_renorm_prob(probs.to(device), ps.to(device))
+    assert got.dtype == torch.float32 and got.device.type == device
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-6, rtol=1e-6)
+    assert int((got[4] > 0).sum()) == 50  # p = 1 keeps everything
+    assert 1 <= int((got[1] > 0).sum()) < 50
+    want_float = _renorm_ref(probs, lambda r, desc: nucleus_pivot(0, desc))  # a float applies to every row
+    torch.testing.assert_close(standin.pkg.top_p_renorm_prob(probs.to(device), 0.5).double().cpu(), want_float,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool])
+def test_weak_ref_tensor_aliases_without_owning(standin, device, dtype):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    base = torch.randint(0, 2, (5, 8)).to(dtype).to(device)
+    view = base.t()[2:6]  # non-contiguous, with a storage offset
+    weak = standin.pkg.weak_ref_tensor(view)
+    assert (weak.shape, weak.stride(), weak.storage_offset(), weak.dtype, weak.device) == (
+        view.shape, view.stride(), view.storage_offset(), view.dtype, view.device)
+    assert weak.data_ptr() == view.data_ptr() and torch.equal(weak, view)
+    weak[1, 3] = 1 - view[1, 3] if dtype != torch.bool else ~view[1, 3]
+    assert torch.equal(weak, view)  # the same memory, both ways
+    owner = StorageWeakRef(base.untyped_storage())
+    del base, view
+    assert owner.expired(), "weak_ref_tensor kept its tensor's memory alive"
+    del weak  # never read: its memory is gone
+    assert standin.pkg.weak_ref_tensor(torch.empty(0, 3, device=device)).shape == (0, 3)
+
+
+def test_is_arch_support_pdl_follows_the_device(standin):
+    """Hopper (compute capability 9.0) and later; False without CUDA."""
+    want = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    assert standin.utils.is_arch_support_pdl() is want
+
+
+@pytest.mark.parametrize("module,name", PLACEHOLDERS)
+def test_placeholders_raise_naming_the_op(standin, module, name):
+    fn = getattr(getattr(standin, module) if module else standin.pkg, name)
+    qualified = f"sgl_kernel.{module + '.' if module else ''}{name}"
+    with pytest.raises(NotImplementedError, match=qualified.replace(".", r"\.") + " "):
+        fn(torch.zeros(2, 2), torch.zeros(2, 2))
+
+
+def test_copy_all_layer_kv_cache_cpu_refuses_device_addresses(standin):
+    """It reads raw addresses through ctypes: device addresses must be refused, not dereferenced."""
+    ptrs = torch.zeros(2, dtype=torch.uint64, device="meta")
+    with pytest.raises(ValueError, match="host memory only"):
+        standin.pkg.copy_all_layer_kv_cache_cpu(ptrs, torch.tensor([8, 8]), torch.tensor([0]), torch.tensor([1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cpu_helpers_run_on_cuda_tensors(standin):
+    """The *_cpu helpers (SGLang's CPU engine calls them) are plain torch: on CUDA tensors they give
+    what they give on CPU (copy_all_layer_kv_cache_cpu excepted: host addresses only)."""
+    k = standin.pkg
+    g = torch.Generator().manual_seed(8)
+
+    def both(fn, *args, **kwargs):
+        """fn on CPU tensors and on CUDA copies; the (mutated) tensor arguments of each run."""
+        runs = []
+        for dev in ("cpu", "cuda"):
+            moved = [a.clone().to(dev) if isinstance(a, torch.Tensor) else a for a in args]
+            fn(*moved, **kwargs)
+            runs.append([a.cpu() for a in moved if isinstance(a, torch.Tensor)])
+        return runs
+
+    def same(runs):
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+    rpi, start, end = torch.tensor([2, 0]), torch.tensor([1, 3]), torch.tensor([4, 5])
+    r2t, loc = torch.randint(0, 99, (3, 8), generator=g, dtype=torch.int32), torch.arange(10, 15)
+    same(both(k.assign_req_to_token_pool_cpu, rpi, r2t, start, end, loc, 8))
+    same(both(k.assign_extend_cache_locs_cpu, rpi, r2t, start, end, torch.zeros(5, dtype=torch.int64), 8))
+    same(both(k.assign_draft_cache_locs_contiguous_cpu, rpi, r2t, torch.tensor([1, 2]),
+              torch.zeros(6, dtype=torch.int64), 8, 1, 3))
+    same(both(k.fill_bonus_tokens_cpu, torch.arange(12).view(3, 4), torch.tensor([1, 4, 2]),
+              torch.zeros(3, dtype=torch.int32), 4))
+    same(both(k.fill_accept_out_cache_loc_cpu, torch.tensor([[0, 2, -1], [4, -1, -1]], dtype=torch.int32),
+              torch.arange(100, 106), torch.zeros(6, dtype=torch.int64)))
+    same(both(k.rotate_input_ids_cpu, torch.arange(9), torch.tensor([0, 4]), torch.tensor([4, 5]),
+              torch.tensor([70, 80])))
+    # a two-level tree per request: root 0 -> {1, 2}, 1 -> {3}
+    cand = torch.tensor([[5, 7, 8, 9], [5, 6, 8, 9]])
+    ridx = torch.arange(8).view(2, 4)
+    rnext, rsib = torch.tensor([[1, 3, -1, -1]] * 2), torch.tensor([[-1, 2, -1, -1]] * 2)
+    target = torch.tensor([[7, 9, 1, 2], [8, 3, 4, 5]])
+    runs = both(k.verify_tree_greedy_cpu, torch.zeros(8, dtype=torch.int32), torch.full((2, 3), -1, dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32), cand, ridx, rnext, rsib, target)
+    same(runs)
+    assert runs[1][2].tolist() == [2, 1]  # request 0 accepts 7 then 9; request 1 accepts 8
+    parent_list, selected = torch.tensor([[-1, 0, 1], [-1, 1, 0]]), torch.tensor([[0, 1, 2], [0, 1, 3]])
+    for mode in (0, 1):
+        numel = (2 * 4 * 4 + 4 * (3 + 5)) if mode == 0 else 2 * 4 * 4
+        same(both(k.build_tree_kernel_efficient_cpu, parent_list, selected, torch.tensor([3, 5]),
+                  torch.zeros(numel, dtype=torch.bool), torch.zeros(8, dtype=torch.int64),
+                  torch.zeros(2, 4, dtype=torch.int64), torch.full((2, 4), -1), torch.full((2, 4), -1), 2, 3, 4, mode))
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool).repeat(2, 1)
+    same(both(k.speculative.reconstruct_indices_from_tree_mask, mask.flatten(), torch.tensor([3, 5]),
+              torch.zeros(8, dtype=torch.int64), *(torch.zeros(2, 4, dtype=torch.int64) for _ in range(3)), 2, 4))
+
+
+# SGLang's modules a dense Qwen3 / Llama server (triton attention, MFD, CUDA graphs) loads on CUDA, and
+# those whose CUDA branch binds sgl_kernel names; importing them pulls in the rest.
+CUDA_SERVER_MODULES = [
+    "sglang.srt.entrypoints.http_server", "sglang.srt.entrypoints.engine", "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.tp_worker", "sglang.srt.managers.detokenizer_manager", "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.model_executor.model_runner", "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner", "sglang.srt.model_executor.runner.eager_runner",
+    "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend",
+    "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend",
+    "sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor",
+    "sglang.srt.model_executor.model_runner_components.cuda_graph_setup",
+    "sglang.srt.model_executor.model_runner_components.attention_backend_setup", "sglang.srt.model_loader.loader",
+    "sglang.srt.models.qwen3", "sglang.srt.models.qwen2", "sglang.srt.models.llama",
+    "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.attention.attention_registry",
+    "sglang.srt.layers.sampler", "sglang.srt.layers.logits_processor", "sglang.srt.layers.layernorm",
+    "sglang.srt.layers.activation", "sglang.srt.layers.rotary_embedding", "sglang.srt.layers.moe.fused_moe_triton",
+    "sglang.srt.layers.quantization", "sglang.srt.layers.quantization.gguf", "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.memory_pool_host", "sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.allocation",
+    "sglang.srt.speculative.eagle_worker_v2", "sglang.srt.speculative.eagle_utils", "sglang.srt.speculative.spec_utils",
+    "sglang.srt.speculative.standalone_worker_v2", "sglang.srt.speculative.ngram_worker",
+    "sglang.srt.speculative.dflash_worker_v2", "mfd_sglang.plugin", "mfd_sglang.serving.worker",
+    "mfd_sglang.serving.verify_graph", "mfd_sglang.cuda_graph",
+    # the GPU check's tree_mask section (benchmarks/tree_mask_check.py) builds on SGLang's attention test kit
+    "sglang.test.kits.attention_unittest.attention_methods.dense_attention", "sglang.srt.runtime_context",
+]
+
+# Run with the stand-in first on the path: make SGLang believe it is on an H200, import the modules,
+# then drive SGLang's own CUDA call sites (forward_cuda) with CPU tensors against its forward_native.
+FORCED_CUDA_PROBE = r"""
+import importlib, json, sys, traceback
+import torch
+
+torch.cuda.is_available = lambda: True  # sglang.srt.utils.is_cuda() also needs torch.version.cuda
+torch.cuda.device_count = lambda: 1
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
+failures = {}
+for name in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failures[name] = traceback.format_exc()[-1500:]
+import sgl_kernel
+from sglang.srt.utils import is_cuda
+from sglang.srt.layers import activation, layernorm
+
+out = {"standin": sgl_kernel.__file__, "is_cuda": is_cuda(), "failures": failures,
+       "bound": layernorm.fused_add_rmsnorm is sgl_kernel.fused_add_rmsnorm
+                and activation._sgl_silu_and_mul is sgl_kernel.silu_and_mul}
+g = torch.Generator().manual_seed(0)
+x, res = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)
+diffs = {}
+for cls in (layernorm.RMSNorm, layernorm.GemmaRMSNorm):
+    norm = cls(16, eps=1e-6)
+    norm.weight.data.copy_(torch.randn(16, generator=g))
+    diffs[cls.__name__] = (norm.forward_cuda(x.clone()) - norm.forward_native(x.clone())).abs().max().item()
+    got_x, got_res = norm.forward_cuda(x.clone(), res.clone())  # in place: the kernel's (input, residual)
+    want_x, want_res = norm.forward_native(x.clone(), res.clone())
+    diffs[cls.__name__ + "+residual"] = max((got_x - want_x).abs().max().item(),
+                                            (got_res - want_res).abs().max().item())
+# 7 fp32 columns: not a multiple of the JIT kernel's 16-byte vector, so SGLang takes sgl_kernel's op
+gate_up = torch.randn(5, 14, generator=g)
+act = activation.SiluAndMul()
+diffs["SiluAndMul"] = (act.forward_cuda(gate_up) - act.forward_native(gate_up)).abs().max().item()
+out["diffs"] = diffs
+print(json.dumps(out))
+"""
+
+
+def test_sglang_cuda_modules_import_with_the_standin_and_its_call_sites_match_forward_native():
+    """With torch.cuda.is_available forced true, every module a dense CUDA server loads imports
+    against the stand-in (no missing sgl_kernel name), SGLang's CUDA branches bound the stand-in's
+    ops, and its forward_cuda call sites give what its forward_native gives."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    proc = subprocess.run([sys.executable, "-c", FORCED_CUDA_PROBE, json.dumps(CUDA_SERVER_MODULES)], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert str(STANDIN_DIR) in out["standin"]
+    assert out["is_cuda"], "forcing CUDA did not take: SGLang took its non-CUDA branches"
+    assert not out["failures"], "\n".join(f"{m}:\n{tb}" for m, tb in out["failures"].items())
+    assert out["bound"], "layernorm / activation did not bind the stand-in's ops"
+    assert all(d < 1e-5 for d in out["diffs"].values()), out["diffs"]
+    assert len(out["diffs"]) == 5
 
 
 # ------------------------------------------------------------------------------------------------

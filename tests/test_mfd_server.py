@@ -1,26 +1,36 @@
 """MFD and MFD_D in real SGLang servers on CPU (`python -m mfd_sglang.cpu.launch_server`, fp32, the
 make-tiny pair): token ids equal plain greedy decoding of the target (which test_cpu_server holds
 equal to the plain server) on /generate, /v1/completions and /v1/chat/completions at budgets 1, 8
-and 32; MFD_D across its switch under concurrency; T > 0; abort; acceptance metadata; per-request
-and launch-time errors. Every server runs with SGLang's strict idle KV-leak check, which kills the
-scheduler on a leak, and each is checked for health and leak warnings when its tests are done."""
+and 32; MFD_D across its switch under concurrency; a seeded T > 0 request on both MFD_D paths (the
+T > 0 law: test_sampling_server); acceptance per round against the reference engine; an abort
+mid-decode; every refused request feature over HTTP; launch-time errors. Every server runs with
+SGLang's strict idle KV-leak check, which kills the scheduler on a leak, and each is polled until
+idle, then checked for health and leak warnings, when its tests are done."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import time
+import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
 import torch
 
 from conftest import target_greedy
+from mfd_sglang.checkpoint import load_drafter
+from mfd_sglang.drafter import MFDDrafter
+from mfd_sglang.hf import SpeculativeGenerator, load_target
+from mfd_sglang.patches.request_checks import unsupported_request_features
 from mfd_sglang.server_process import launch_command
 from servers import (ServerProcess, chat_ids, chat_template_ids, completion_ids, free_port, generate_ids,
                      log_tail)
+from test_verify import TOP_K_ALL, reference_sample
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
@@ -37,7 +47,8 @@ SERVERS = [
 
 
 def start_server(tmp_path_factory, tiny_pair, drafter: Path, algorithm: str, budget: int, *,
-                 threshold: int | None = None, max_running: int = 4, log_level: str = "warning") -> ServerProcess:
+                 threshold: int | None = None, max_running: int = 4, log_level: str = "warning",
+                 extra_args: tuple[str, ...] = ()) -> ServerProcess:
     port = free_port()
     log = tmp_path_factory.mktemp("mfd_server") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1")
@@ -48,12 +59,32 @@ def start_server(tmp_path_factory, tiny_pair, drafter: Path, algorithm: str, bud
     cmd = launch_command(tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter, budget=budget,
                          dtype="float32", extra_args=[
                              "--max-total-tokens", "4096", "--context-length", "1024",
-                             "--max-running-requests", str(max_running), "--log-level", log_level])
+                             "--max-running-requests", str(max_running), "--log-level", log_level, *extra_args])
     return ServerProcess(cmd, log, port=port, env=env, cwd=REPO, startup_timeout=600).start()
 
 
+def wait_until_idle(server: ServerProcess, deadline_s: float = 300.0) -> None:
+    """Poll the scheduler's load snapshots (/v1/loads) until two successive ones, both published after
+    this call, show no running and no waiting request. While idle the scheduler republishes its
+    snapshot on every pass of its idle loop, right after SGLang's strict KV-leak check (which kills
+    the scheduler on a leak), so the second idle snapshot follows at least one check of idle pools."""
+    start = time.time()
+    idle_since = None  # timestamp of the last idle snapshot seen
+    while time.time() < start + deadline_s:
+        try:
+            load = requests.get(server.base_url + "/v1/loads", timeout=60).json()["loads"][0]
+        except requests.RequestException as e:  # e.g. the leak check killed the server
+            pytest.fail(f"/v1/loads: {type(e).__name__}: {e}\n{log_tail(server.log_path)}")
+        idle = load["timestamp"] > start and load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
+        if idle and idle_since is not None and load["timestamp"] > idle_since:
+            return
+        idle_since = load["timestamp"] if idle else None
+        time.sleep(0.2)
+    pytest.fail(f"the server did not go idle within {deadline_s:.0f} s (last load: {load})\n{log_tail(server.log_path)}")
+
+
 def assert_healthy_without_leaks(server: ServerProcess) -> None:
-    time.sleep(2.0)  # let the scheduler go idle and run its leak check
+    wait_until_idle(server)
     assert requests.get(server.base_url + "/health", timeout=60).status_code == 200, log_tail(server.log_path)
     assert "memory leak" not in server.log(), log_tail(server.log_path)
 
@@ -63,6 +94,9 @@ def server(request, tiny_pair, tiny_dflash_drafter, tmp_path_factory):
     algorithm, budget, drafter, threshold = request.param
     path = tiny_pair / "drafter" if drafter == "mfd" else tiny_dflash_drafter
     srv = start_server(tmp_path_factory, tiny_pair, path, algorithm, budget, threshold=threshold)
+    # What the reference engine needs to run the same rounds: with one request in flight MFD_D takes
+    # its single-mode path when the threshold is 1.
+    srv.spec = SimpleNamespace(budget=budget, drafter=path, single_mode=algorithm == "MFD_D" and threshold == 1)
     yield srv
     try:
         assert_healthy_without_leaks(srv)
@@ -72,11 +106,22 @@ def server(request, tiny_pair, tiny_dflash_drafter, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mfd_d_server(tiny_pair, tmp_path_factory):
-    """MFD_D, B = 8, default switch threshold (3), room for 6 running requests, INFO log (switches)."""
+    """MFD_D, B = 8, default switch threshold (3), room for 6 running requests, INFO log (switches).
+    Hidden states and custom logit processors are enabled so that requests asking for them get past
+    SGLang's own checks and reach MFD's."""
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 8, max_running=6,
-                       log_level="info")
+                       log_level="info", extra_args=("--enable-return-hidden-states", "--enable-custom-logit-processor"))
     yield srv
-    srv.stop()
+    try:
+        assert_healthy_without_leaks(srv)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_target(tiny_pair):
+    """The tiny target as the reference engine loads it (fp32)."""
+    return load_target(tiny_pair / "target")
 
 
 # --- exactness ------------------------------------------------------------------------------------
@@ -103,15 +148,30 @@ def test_chat_completions_equal_greedy(server, hf_target, tiny_prompts):
     assert got == target_greedy(model, ids, MAX_NEW)
 
 
-def test_meta_info_reports_acceptance(server, hf_target, tiny_prompts):
+def test_rounds_accept_what_the_reference_engine_accepts(server, reference_target, hf_target, tiny_prompts):
+    """Per prompt, the server's verify rounds accept what the reference engine's rounds accept on the
+    same prompt, budget, drafter and mode path (fp32, greedy): as many rounds (spec_verify_ct), the same
+    count of rounds per number of accepted draft tokens (spec_correct_drafts_histogram; SGLang counts
+    a round's accepted drafts before the max_new_tokens cut, as RoundStats.accepted does), and
+    completion_tokens = the prefill's token (no round; the engine's first root) + the tokens the rounds
+    emitted. (spec_accept_length is completion_tokens / spec_verify_ct by SGLang's own definition.)"""
     _, tok = hf_target
-    ids = tok(tiny_prompts[0], add_special_tokens=False)["input_ids"]
-    got, meta = generate_ids(server, ids, 32)
-    rounds, tau = meta["spec_verify_ct"], meta["spec_accept_length"]
-    # One token comes from the prefill; every other token from a verify round.
-    assert 1 <= rounds <= len(got)
-    assert tau == pytest.approx(meta["completion_tokens"] / rounds)
-    assert tau > 1.2, f"the tiny drafter should be accepted: tau {tau}"
+    drafter = MFDDrafter.from_checkpoint(load_drafter(server.spec.drafter), dtype=torch.float32)
+    engine = SpeculativeGenerator(reference_target, drafter, budget=server.spec.budget,
+                                  single_mode=server.spec.single_mode)
+    accepted_drafts = 0
+    for text in tiny_prompts[:2]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        reference = engine.generate(ids, 32)
+        got, meta = generate_ids(server, ids, 32)
+        assert got == reference.token_ids
+        histogram = [0] * (max(r.accepted for r in reference.rounds) + 1)
+        for r in reference.rounds:
+            histogram[r.accepted] += 1
+        assert (meta["spec_verify_ct"], meta["spec_correct_drafts_histogram"], meta["completion_tokens"]) == (
+            len(reference.rounds), histogram, 1 + sum(r.emitted for r in reference.rounds)), f"prompt {text!r}"
+        accepted_drafts += sum(r.accepted for r in reference.rounds)
+    assert accepted_drafts > 0  # the comparison covers rounds that accepted draft tokens
 
 
 # --- MFD_D: concurrency across the switch, T > 0, abort, per-request errors ------------------------
@@ -134,58 +194,111 @@ def test_mfd_d_concurrent_requests_cross_the_switch_and_stay_exact(mfd_d_server,
     assert_healthy_without_leaks(mfd_d_server)
 
 
-def test_sampling_finishes_within_top_k_support(mfd_d_server, hf_target, tiny_prompts):
+def test_a_seeded_request_samples_alike_on_both_mfd_d_paths(mfd_d_server, hf_target, tiny_prompts):
+    """T > 0 (the law itself: test_sampling_server.py): a seeded request's tokens are plain
+    autoregressive sampling with its seed's coins, alone (the K-mode path) and among five longer
+    requests (the single-mode path): neither the tree nor the batch changes them."""
     model, tok = hf_target
     ids = tok(tiny_prompts[2], add_special_tokens=False)["input_ids"]
-    top_k, n = 3, 24
-    for seed in (1, 2):
-        got, meta = generate_ids(mfd_d_server, ids, n, temperature=1.0, top_k=top_k, sampling_seed=seed)
-        assert len(got) == n and meta["finish_reason"]["type"] == "length"
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids + got])).logits[0, len(ids) - 1 : -1]
-        allowed = logits.topk(top_k, dim=-1).indices
-        for i, token in enumerate(got):
-            assert token in allowed[i].tolist(), f"token {i} ({token}) is outside the target's top-{top_k}"
+    law, n = dict(temperature=1.5, top_p=0.95, min_p=0.02), 20
+    expected = reference_sample(model, ids, n, (1.5, TOP_K_ALL, 0.95, 0.02), seed=3)
+    assert generate_ids(mfd_d_server, ids, n, **law, sampling_seed=3)[0] == expected
+    switches = mfd_d_server.log().count("switching to the single-mode path")
+
+    def run(i):
+        extra = {"sampling_seed": 3} if i == 0 else {}
+        return generate_ids(mfd_d_server, ids, n if i == 0 else 3 * n, **law, **extra)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        outputs = list(pool.map(run, range(6)))
+    assert outputs[0] == expected
+    assert mfd_d_server.log().count("switching to the single-mode path") > switches, log_tail(mfd_d_server.log_path)
 
 
-def test_abort_of_a_streaming_request_leaves_the_server_healthy(mfd_d_server, hf_target, tiny_prompts):
+def test_abort_mid_decode_ends_the_request_and_frees_its_memory(mfd_d_server, hf_target, tiny_prompts):
+    """A streaming request of 600 tokens is aborted by its id after its third chunk (the prefill's token
+    and two verify rounds): its stream ends with finish reason "abort" well short of 600 tokens, the
+    scheduler goes idle with its strict KV-leak check passing (target KV and drafter context slots
+    freed), and the next request is still exact."""
     model, tok = hf_target
     ids = tok(tiny_prompts[3], add_special_tokens=False)["input_ids"]
-    payload = {"input_ids": ids, "stream": True,
+    rid = f"abort-{uuid.uuid4().hex}"
+    payload = {"rid": rid, "input_ids": ids, "stream": True,
                "sampling_params": {"temperature": 0, "max_new_tokens": 600, "ignore_eos": True}}
+    chunks = []  # meta_info of every streamed chunk
     with requests.post(mfd_d_server.base_url + "/generate", json=payload, stream=True, timeout=300) as r:
-        chunks = 0
         for line in r.iter_lines():
-            chunks += bool(line)
-            if chunks >= 3:
-                break  # closing the connection aborts the request
-    assert chunks >= 3
+            body = line[len(b"data:"):].strip() if line.startswith(b"data:") else b""
+            if body == b"[DONE]":
+                break
+            if body:
+                chunks.append(json.loads(body)["meta_info"])
+                if len(chunks) == 3:
+                    requests.post(mfd_d_server.base_url + "/abort_request", json={"rid": rid},
+                                  timeout=60).raise_for_status()
+    assert len(chunks) >= 3 and chunks[2]["finish_reason"] is None, chunks  # decoding when aborted
+    assert chunks[-1]["finish_reason"]["type"] == "abort", chunks[-1]
+    assert chunks[-1]["completion_tokens"] < 600
+    assert_healthy_without_leaks(mfd_d_server)
     got, _ = generate_ids(mfd_d_server, ids, MAX_NEW)
     assert got == target_greedy(model, ids, MAX_NEW)
-    assert_healthy_without_leaks(mfd_d_server)
 
 
-@pytest.mark.parametrize("params, feature", [
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"min_p": 0.1}, "min_p"),
-    ({"regex": "[a-z ]+"}, "constrained decoding"),
-])
-def test_unsupported_request_features_are_refused_by_name(mfd_d_server, params, feature):
-    payload = {"text": "one two", "sampling_params": {"max_new_tokens": 4, **params}}
+CONSTRAINED = "json_schema / regex / ebnf / structural_tag (constrained decoding)"
+# Every request feature MFD refuses (mfd_sglang/patches/request_checks.py) as a /generate request asks
+# for it: (the name the refusal gives, top-level request fields, sampling params). Remove an entry when
+# MFD learns to serve its feature. lora_path is not here: SGLang refuses --enable-lora for MFD at launch
+# (test_bad_launch_fails_early_with_a_clear_message) and any lora_path without it, so a request with
+# one never reaches MFD's check.
+REFUSED_FEATURES = [
+    ("return_logprob", {"return_logprob": True}, {}),
+    ("return_hidden_states", {"return_hidden_states": True}, {}),
+    ("frequency_penalty", {}, {"frequency_penalty": 0.5}),
+    ("presence_penalty", {}, {"presence_penalty": 0.5}),
+    ("repetition_penalty", {}, {"repetition_penalty": 1.2}),
+    ("min_new_tokens", {}, {"min_new_tokens": 2}),
+    ("logit_bias", {}, {"logit_bias": {"5": 2.0}}),
+    (CONSTRAINED, {}, {"regex": "[a-z ]+"}),
+    (CONSTRAINED, {}, {"json_schema": json.dumps({"type": "string"})}),
+    (CONSTRAINED, {}, {"ebnf": 'root ::= "yes" | "no"'}),
+    (CONSTRAINED, {}, {"structural_tag": json.dumps(
+        {"type": "structural_tag", "format": {"type": "const_string", "value": "yes"}})}),
+    ("custom_logit_processor", {"custom_logit_processor": "DisallowedTokensLogitsProcessor"}, {}),
+]
+REFUSED_AT_LAUNCH = {"lora_path"}
+
+
+class _EveryFeature:
+    """A request stand-in on which every check of unsupported_request_features fires: each field reads
+    7 (> 0, != 0, != 1, truthy, not None)."""
+
+    def __getattr__(self, name):
+        return self if name == "sampling_params" else 7
+
+
+def test_every_refused_feature_is_tried_over_http():
+    """REFUSED_FEATURES names every feature request_checks can refuse, and nothing else."""
+    assert set(unsupported_request_features(_EveryFeature())) == (
+        {feature for feature, _, _ in REFUSED_FEATURES} | REFUSED_AT_LAUNCH)
+
+
+@pytest.mark.parametrize("feature, fields, sampling", REFUSED_FEATURES,
+                         ids=[next(iter({**f, **p})) for _, f, p in REFUSED_FEATURES])
+def test_refused_request_features_get_a_400_that_names_them(mfd_d_server, feature, fields, sampling):
+    if "custom_logit_processor" in fields:  # a real serialized processor, as a client would send it
+        from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+
+        fields = {"custom_logit_processor": DisallowedTokensLogitsProcessor().to_str()}
+    payload = {"text": "one two", **fields, "sampling_params": {"max_new_tokens": 4, **sampling}}
     r = requests.post(mfd_d_server.base_url + "/generate", json=payload, timeout=120)
     assert r.status_code == 400, r.text
-    assert feature in r.text and "MFD" in r.text
+    assert f"MFD speculative decoding does not support {feature} in a request" in r.json()["error"]["message"]
     assert requests.get(mfd_d_server.base_url + "/health", timeout=60).status_code == 200
 
 
-def test_returned_logprobs_are_refused(mfd_d_server):
-    r = requests.post(mfd_d_server.base_url + "/generate", timeout=120, json={
-        "text": "one two", "return_logprob": True, "sampling_params": {"max_new_tokens": 4}})
-    assert r.status_code == 400 and "return_logprob" in r.text, r.text
-
-
 # --- launch-time errors -----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "page size", "attention backend"])
+@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "page size", "attention backend",
+                                  "lora"])
 def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
     drafter = str(tiny_pair / "drafter")
     extra, expected = [], ""
@@ -197,6 +310,8 @@ def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
         extra, expected = ["--speculative-num-draft-tokens", "1"], "tree budget of 0"
     elif case == "page size":
         extra, expected = ["--page-size", "2"], "--page-size 2"
+    elif case == "lora":  # SGLang's own refusal: the reason a request's lora_path never reaches MFD
+        extra, expected = ["--enable-lora"], "LoRA is only compatible with"
     elif case == "attention backend":  # no TARGET_VERIFY tree mask there
         extra, expected = ["--attention-backend", "torch_native"], "MFD on CPU needs --attention-backend mfd_cpu"
     cmd = launch_command(tiny_pair / "target", port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",

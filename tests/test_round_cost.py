@@ -1,6 +1,7 @@
 """The round-cost benchmark's static target and round are exact: tree verify equals sequential
 decoding, and speculative rounds (eager, over the same static buffers the CUDA graphs use) emit the
-target's own greedy tokens."""
+target's own greedy tokens. The commit stage is the SGLang worker's own (`commit_round`, used by
+`MFDWorkerV2.commit` and `SpecRound.commit`), held here to an explicit per-request loop."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from round_cost import (  # noqa: E402
     CONFIGS, STAGES, SpecRound, StaticTarget, TargetConfig, capture_round, random_drafter, round_cost_section,
 )
 
+from mfd_sglang.serving.commit import commit_round  # noqa: E402
+from mfd_sglang.serving.draft_context_pool import DraftContextPool  # noqa: E402
 from mfd_sglang.tree import build_mixture_tree  # noqa: E402
 from mfd_sglang.tree_layout import tree_ancestor_mask  # noqa: E402
+from mfd_sglang.verify import TreeVerifyResult  # noqa: E402
 
 CFG = TargetConfig.tiny()
 
@@ -67,6 +71,52 @@ def test_verify_logits_equal_sequential_decoding_along_each_path():
             torch.testing.assert_close(verify_logits[b, node], decoded[len(paths[b]) - 1][b], rtol=1e-4, atol=1e-4)
 
 
+def test_commit_round_commits_the_root_and_the_accepted_path_of_each_request():
+    """commit_round against a loop over requests and committed tokens: the target-KV store is handed
+    each request's root + accepted path in depth order (-1 after it), and the drafter context K/V of
+    the j-th committed token (its node's features at position seq_len + j) lands in window slot j.
+    The window (N = 11) is wider than a drafter path can be (block 8: root + 7 nodes)."""
+    budget, block = 10, CFG.block_size
+    drafter = random_drafter(CFG, [1, 3], 2, seed=4, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    # (accepted nodes in depth order, committed length before the round) per request
+    paths, seq_lens = [[3, 7], [], [1, 2, 4, 5, 8, 9, 10]], torch.tensor([6, 0, 13])
+    bs, num_nodes, num_slots = len(paths), budget + 1, 64
+    local = torch.full((bs, budget + 1), -1)
+    for b, p in enumerate(paths):
+        local[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    result = TreeVerifyResult(accept_lens=torch.tensor([len(p) + 1 for p in paths]), accepted_tokens=local.clone(),
+                              accepted_local_indices=local, bonus_tokens=torch.zeros(bs, dtype=torch.long))
+    hidden = torch.randn(bs, num_nodes, drafter.fc.in_features, generator=gen)
+    window_slots = torch.randperm(num_slots, generator=gen)[: bs * num_nodes].view(bs, num_nodes)
+    pool = DraftContextPool(drafter, num_slots, device="cpu", dtype=torch.float32)
+    moved = []
+    commit_round(result, hidden, seq_lens, window_slots, pool, drafter, moved.append)
+
+    assert len(moved) == 1
+    expected_path = torch.full((bs, block), -1)
+    for b, p in enumerate(paths):
+        expected_path[b, : len(p) + 1] = torch.tensor([0, *p])
+    assert torch.equal(moved[0], expected_path)
+    for b, p in enumerate(paths):
+        for j, node in enumerate([0, *p]):
+            want = drafter.context_kv(hidden[b, node][None, None], seq_lens[b].view(1, 1) + j)
+            slot = int(window_slots[b, j])
+            for layer in range(len(pool.keys)):
+                torch.testing.assert_close(pool.keys[layer][slot], want.keys[layer][0, :, 0])
+                torch.testing.assert_close(pool.values[layer][slot], want.values[layer][0, :, 0])
+    # Nothing outside the windows' first `block` slots is touched (past a path is scratch).
+    untouched = sorted(set(range(num_slots)) - set(window_slots[:, :block].flatten().tolist()))
+    assert all(int(pool.keys[layer][untouched].count_nonzero()) == 0 for layer in range(len(pool.keys)))
+
+
+def oracle_candidates(best: dict[int, float], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A candidate row: the tokens of `best` first (by score), then the lowest other ids at -30."""
+    ranked = sorted(best, key=lambda t: -best[t])
+    rest = [t for t in range(CFG.vocab) if t not in best][: count - len(ranked)]
+    return torch.tensor(ranked + rest), torch.tensor([best[t] for t in ranked] + [-30.0] * len(rest))
+
+
 def test_speculative_rounds_emit_the_targets_greedy_tokens():
     """Eager rounds through capture_round. Mode 0's draft is replaced by the target's true
     continuation up to a cut depth, so paths of every length get accepted and committed."""
@@ -84,16 +134,18 @@ def test_speculative_rounds_emit_the_targets_greedy_tokens():
     for step in range(rounds):
         graphs.replays["draft"]()
         cut = step % block  # accept `cut` true tokens via mode 0, then a wrong one
+        candidates = graphs.candidates  # the drafted DraftCandidates, rewritten in place
         for b in range(bs):
             future = expected[b, len(emitted[b]): len(emitted[b]) + block - 1]
             wrong = (future + 1) % CFG.vocab
             oracle = torch.where(torch.arange(block - 1) < cut, future, wrong)
-            graphs.logprobs[b, 0] = -30.0
-            graphs.logprobs[b, 0, torch.arange(block - 1), oracle] = 0.0
-            # A better wrong first token heads a second chain that ranks first, so the accepted path
-            # sits deep in the verify window and commit really moves its K/V.
-            graphs.logprobs[b, 0, 0, oracle[0]] = -1.0
-            graphs.logprobs[b, 0, 0, (future[0] + 2) % CFG.vocab] = -0.5
+            for d in range(block - 1):
+                best = {int(oracle[d]): 0.0}
+                if d == 0:  # a better wrong first token heads a second chain that ranks first, so the
+                    # accepted path sits deep in the verify window and commit really moves its K/V.
+                    best = {(int(future[0]) + 2) % CFG.vocab: -0.5, int(oracle[0]): -1.0}
+                tokens, scores = oracle_candidates(best, candidates.tokens.shape[-1])
+                candidates.tokens[b, 0, d], candidates.logprobs[b, 0, d] = tokens, scores
         for stage in STAGES[1:]:
             graphs.replays[stage]()
         result = graphs.result

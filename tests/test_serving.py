@@ -4,6 +4,11 @@ checks and the drafter context pool (held to the drafter's own context K/V)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +19,8 @@ from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.serving.options import budget_from_num_draft_tokens, default_num_draft_tokens, read_options
 from mfd_sglang.patches.request_checks import unsupported_request_features
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_options_defaults_and_errors():
@@ -156,56 +163,118 @@ def test_cpu_refuses_attention_backends_without_a_tree_mask(given):
         resolve_attention_backend(args)
 
 
+def _attention_backends():
+    """SGLang's real attention backend classes (and the CPU one), which verify trees, and which do not."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.attention.trtllm_mha_backend import TRTLLMHAAttnBackend
+
+    from mfd_sglang.cpu.attention import CpuSdpaAttnBackend
+
+    return (FlashInferAttnBackend, TritonAttnBackend, CpuSdpaAttnBackend), (TRTLLMHAAttnBackend, TorchNativeAttnBackend)
+
+
 def test_instantiated_attention_backend_is_checked():
+    """Instances of SGLang's real backend classes made with object.__new__ (their constructors need a
+    model runner, and FlashInfer / TRT-LLM a GPU): the check sees the same types a server builds."""
+    from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+
     from mfd_sglang.serving.algorithms import check_tree_verify_attention
 
-    for name in ("FlashInferAttnBackend", "TritonAttnBackend", "CpuSdpaAttnBackend"):
-        check_tree_verify_attention(type(name, (), {})())
-    # A wrapper (hybrid / SWA) is resolved to the backend that runs the verify.
-    wrapper = type("SomeWrapper", (), {})()
-    wrapper.full_attn_backend = type("FlashAttentionBackend", (), {})()
-    with pytest.raises(RuntimeError, match="FlashAttentionBackend attention backend .* --attention-backend"):
-        check_tree_verify_attention(wrapper)
+    tree_mask, no_tree_mask = _attention_backends()
+    for cls in tree_mask:
+        check_tree_verify_attention(object.__new__(cls))
+    for cls in no_tree_mask:
+        with pytest.raises(RuntimeError, match=f"{cls.__name__} attention backend .* --attention-backend"):
+            check_tree_verify_attention(object.__new__(cls))
+    # Wrappers are resolved to the backend that runs TARGET_VERIFY: a hybrid prefill/decode backend
+    # verifies on its decode backend only when speculative attention runs in decode mode.
+    hybrid = object.__new__(HybridAttnBackend)
+    hybrid.prefill_backend, hybrid.decode_backend = object.__new__(no_tree_mask[1]), object.__new__(tree_mask[0])
+    hybrid.spec_attn_is_decode = True
+    check_tree_verify_attention(hybrid)
+    hybrid.spec_attn_is_decode = False
+    with pytest.raises(RuntimeError, match=no_tree_mask[1].__name__):
+        check_tree_verify_attention(hybrid)
+    two_batch = object.__new__(TboAttnBackend)
+    two_batch.primary = object.__new__(no_tree_mask[0])
+    with pytest.raises(RuntimeError, match=no_tree_mask[0].__name__):
+        check_tree_verify_attention(two_batch)
 
 
-def test_verify_graph_runner_is_installed_for_mfd_target_runners_only():
+# Run in a fresh process: load_plugins() patches SGLang's classes for the whole process, as in a server.
+RESOLVE_GRAPH_RUNNERS = """
+import json
+from sglang.srt.plugins import load_plugins
+load_plugins()  # what every SGLang process does first: entry points, then the HookRegistry hooks
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+resolved = {}
+for algorithm, is_draft_worker in [("MFD", False), ("MFD_D", False), ("MFD", True), ("EAGLE", False), ("NONE", False)]:
+    runner = object.__new__(ModelRunner)  # the real class; its constructor loads a model
+    runner.spec_algorithm = SpeculativeAlgorithm.from_string(algorithm)
+    runner.is_draft_worker = is_draft_worker
+    cls = runner._decode_cuda_graph_runner_cls()  # what SGLang's capture_decode_graph instantiates on CUDA
+    resolved[algorithm + (" draft" if is_draft_worker else "")] = cls.__module__ + "." + cls.__qualname__
+print("RESOLVED", json.dumps(resolved))
+"""
+
+
+def test_sglang_resolves_mfd_target_runners_to_the_tree_verify_graph_runner():
+    """SGLang's own ModelRunner._decode_cuda_graph_runner_cls, after load_plugins() found the plugin
+    through its entry point and applied its hooks, picks MFD's runner for MFD / MFD_D target runners
+    only (graph capture itself needs a GPU: scripts/gpu_check.sh)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", "MFD_SGLANG_CPU")}
+    proc = subprocess.run([sys.executable, "-c", RESOLVE_GRAPH_RUNNERS], capture_output=True, text=True,
+                          timeout=600, env=dict(env, HF_HUB_OFFLINE="1"), cwd=REPO)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESOLVED ")), None)
+    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-4000:]
+    stock, mfd = ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+                  "mfd_sglang.serving.verify_graph.MFDVerifyCudaGraphRunner")
+    assert json.loads(line[len("RESOLVED "):]) == {"MFD": mfd, "MFD_D": mfd, "MFD draft": stock, "EAGLE": stock,
+                                                   "NONE": stock}
+
+
+@pytest.mark.parametrize("backend", ["FlashInferAttnBackend", "TritonAttnBackend"])
+def test_verify_graphs_are_captured_with_the_tree_mask(backend):
+    """What a graph of SGLang's real DecodeCudaGraphRunner and of MFD's subclass is captured with, for
+    an MFD target runner on the two GPU tree-verify backends. Runner, model runner and backend are the
+    real classes made with object.__new__ (capture needs a GPU), holding what get_spec_info reads. The
+    stock runner's DFlash-family input has no tree mask (why the hook exists); MFD's carries the
+    runner's mask buffer and keeps every verified token's hidden states for the drafter."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from mfd_sglang.patches.verify_graph import decode_graph_runner_cls_around
+    from mfd_sglang.serving.algorithms import register_algorithms
     from mfd_sglang.serving.verify_graph import MFDVerifyCudaGraphRunner
 
-    def runner(name, is_draft_worker=False):
-        return SimpleNamespace(spec_algorithm=SimpleNamespace(name=name), is_draft_worker=is_draft_worker)
+    register_algorithms()
+    attn_backend = object.__new__(next(c for c in _attention_backends()[0] if c.__name__ == backend))
 
-    def original(model_runner):
-        return "stock runner"
+    def capture_input(cls):
+        model_runner = object.__new__(ModelRunner)
+        model_runner.spec_algorithm, model_runner.is_draft_worker = SpeculativeAlgorithm.from_string("MFD"), False
+        model_runner.attn_backend = attn_backend
+        graph_runner = object.__new__(cls)
+        graph_runner.model_runner, graph_runner.captured_req_width = model_runner, 17
+        graph_runner.ragged_verify_mode = False
+        graph_runner.buffers = SimpleNamespace(custom_mask=torch.ones(64, dtype=torch.bool))
+        return graph_runner, graph_runner.get_spec_info(num_tokens=34)
 
-    assert decode_graph_runner_cls_around(original, runner("MFD")) is MFDVerifyCudaGraphRunner
-    assert decode_graph_runner_cls_around(original, runner("MFD_D")) is MFDVerifyCudaGraphRunner
-    assert decode_graph_runner_cls_around(original, runner("EAGLE")) == "stock runner"
-    assert decode_graph_runner_cls_around(original, runner("MFD", is_draft_worker=True)) == "stock runner"
-
-    # The graphs are captured with the tree mask buffer and full hidden-state capture (what the
-    # stock runner's DFlash-family input lacks), at the runner's verify width.
-    graph_runner = object.__new__(MFDVerifyCudaGraphRunner)
-    graph_runner.captured_req_width = 17
-    graph_runner.buffers = SimpleNamespace(custom_mask=torch.ones(64, dtype=torch.bool))
-    spec_info = graph_runner.get_spec_info(num_tokens=34)
+    _, stock = capture_input(DecodeCudaGraphRunner)
+    assert stock.custom_mask is None  # SGLang 0.5.23: a chain; re-check verify_graph.py if this changes
+    graph_runner, spec_info = capture_input(MFDVerifyCudaGraphRunner)
     assert isinstance(spec_info, EagleVerifyInput)
     assert spec_info.custom_mask is graph_runner.buffers.custom_mask
     assert spec_info.draft_token_num == 17 and spec_info.capture_hidden_mode == CaptureHiddenMode.FULL
     # Any other forward (no tree verify input) is not replayed on these graphs.
-    assert not graph_runner.can_run_graph(SimpleNamespace(spec_info=None))
-
-
-def test_plugin_registers_the_verify_graph_hook():
-    from mfd_sglang import plugin
-    from mfd_sglang.patches import is_registered
-    from mfd_sglang.patches.verify_graph import DECODE_GRAPH_RUNNER_CLS, decode_graph_runner_cls_around
-
-    plugin.register()
-    assert is_registered(DECODE_GRAPH_RUNNER_CLS, decode_graph_runner_cls_around)
+    assert not graph_runner.can_run_graph(SimpleNamespace(spec_info=stock))
 
 
 def _draft_graph_worker(tiny_pair, device: str):
@@ -220,7 +289,7 @@ def _draft_graph_worker(tiny_pair, device: str):
     on_cuda = device.startswith("cuda")
     worker.tree_backend = worker.mode_attention_backend = "triton" if on_cuda else "torch"
     worker.embed_weight = torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device)
-    worker.lm_head_weight = torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device)
+    worker.head_weight = torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device)
     worker.context_pool = DraftContextPool(drafter, num_slots, device=device, dtype=torch.float32)
     worker.context_pool.write(drafter, torch.randn(num_slots, drafter.fc.in_features, generator=gen).to(device),
                               torch.arange(num_slots).to(device) % max_len, torch.arange(num_slots).to(device))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mfd_sglang.tree import build_mixture_tree
+from mfd_sglang.tree import build_mixture_tree, top_candidates
 
 FIELDS = ("tokens", "parents", "depths", "scores", "modes", "valid")
 
@@ -24,22 +24,27 @@ def random_logprobs(seed: int, shape, dtype=torch.float32, spread: float = 1.0, 
     return logprobs.to(device=device, dtype=dtype)
 
 
-def assert_same_tree(logprobs: torch.Tensor, budget: int, *, sync_check: bool = False) -> None:
+def assert_same_tree(logprobs: torch.Tensor, budget: int, *, sync_check: bool = False,
+                     from_candidates: bool = False) -> None:
+    """The Triton tree equals the torch tree, from the full log-probs and, with from_candidates, from
+    their top candidates too (the serving path's input, which skips the vocabulary top-B kernel)."""
     expected = build_mixture_tree(logprobs, budget)
-    if sync_check:
-        torch.cuda.set_sync_debug_mode("error")  # any host sync in the launch path raises
-        try:
-            got = build_mixture_tree(logprobs, budget, backend="triton")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    else:
-        got = build_mixture_tree(logprobs, budget, backend="triton")
-    where = f"shape {tuple(logprobs.shape)} {logprobs.dtype} budget {budget}"
-    for name in FIELDS:
-        want, have = getattr(expected, name), getattr(got, name)
-        assert have.dtype == want.dtype and have.shape == want.shape, f"{name}: {where}"
-        assert have.device == want.device, f"{name}: {where}"
-        assert torch.equal(have, want), f"{name} differs: {where}\n{want}\n{have}"
+    inputs = [logprobs, top_candidates(logprobs, budget)] if from_candidates else [logprobs]
+    for given in inputs:
+        if sync_check:
+            torch.cuda.set_sync_debug_mode("error")  # any host sync in the launch path raises
+            try:
+                got = build_mixture_tree(given, budget, backend="triton")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        else:
+            got = build_mixture_tree(given, budget, backend="triton")
+        where = f"shape {tuple(logprobs.shape)} {logprobs.dtype} budget {budget} from {type(given).__name__}"
+        for name in FIELDS:
+            want, have = getattr(expected, name), getattr(got, name)
+            assert have.dtype == want.dtype and have.shape == want.shape, f"{name}: {where}"
+            assert have.device == want.device, f"{name}: {where}"
+            assert torch.equal(have, want), f"{name} differs: {where}\n{want}\n{have}"
 
 
 # (bs, K, D, V, budget): small enough for the interpreter (it runs every program in Python).
@@ -61,7 +66,7 @@ def case_shapes(device="cpu", dtypes=(torch.float32, torch.float16), sync_check=
         *dims, budget = shape
         for dtype in dtypes:
             assert_same_tree(random_logprobs(seed, dims, dtype, device=device), budget,
-                             sync_check=sync_check)
+                             sync_check=sync_check, from_candidates=dtype == dtypes[0])
     # Unbatched [K, D, V] input gives an unbatched tree.
     assert_same_tree(random_logprobs(99, (3, 4, 6), device=device), 10, sync_check=sync_check)
 
@@ -90,7 +95,7 @@ def case_ties(device="cpu", dtypes=(torch.float32, torch.float16), sync_check=Fa
         assert_same_tree(logprobs, 20, sync_check=sync_check)
         # Quantised logprobs: many exactly equal tokens, paths and cross-mode scores.
         logprobs = (random_logprobs(6, (2, 4, 5, 8), device=device) * 2).round() / 2
-        assert_same_tree(logprobs.to(dtype), 24, sync_check=sync_check)
+        assert_same_tree(logprobs.to(dtype), 24, sync_check=sync_check, from_candidates=True)
         # Uniform: every prefix of a depth ties.
         uniform = torch.full((1, 3, 4, 4), -1.3862943611198906, device=device, dtype=dtype)
         assert_same_tree(uniform, 30, sync_check=sync_check)

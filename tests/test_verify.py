@@ -1,4 +1,5 @@
-"""Tree verification against a plain walk (greedy) and the target's distribution (sampling)."""
+"""Tree verification against a plain walk (greedy) and, sampling, against SGLang's plain sampler:
+its law (from its own function), the distribution of the tree's draws (chi-square), seeded streams."""
 
 import contextlib
 import math
@@ -7,10 +8,8 @@ import pytest
 import torch
 
 from mfd_sglang.tree import DraftTree, build_mixture_tree
-from mfd_sglang.verify import sample_from_logits, verify_tree_greedy, verify_tree_sampling
-
-# Total variation allowed between an empirical and an exact distribution over <= 6 tokens.
-TV_TOLERANCE = 0.02
+from mfd_sglang.verify import (Sampling, plain_law, random_seeds, sample_from_logits, stream_coins,
+                               verify_tree_greedy, verify_tree_sampling)
 
 
 def plain_walk(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
@@ -100,100 +99,226 @@ def test_greedy_crafted_paths() -> None:
     check_against_plain_walk(tree, target_tokens, result)
 
 
-def filtered_distribution(logits: list[float], temperature: float, top_k: int, top_p: float):
-    """softmax(logits / temperature) after top-k, then top-p, written out plainly."""
-    vocab = len(logits)
-    order = sorted(range(vocab), key=lambda t: -logits[t])
-    if 0 < top_k < vocab:
-        order = order[:top_k]
-    weights = {t: math.exp((logits[t] - logits[order[0]]) / temperature) for t in order}
-    probs = {t: w / sum(weights.values()) for t, w in weights.items()}
-    kept, mass = [], 0.0
-    for t in order:
-        if top_p < 1.0 and mass >= top_p:
-            break
-        kept.append(t)
-        mass += probs[t]
-    return [probs[t] / mass if t in kept else 0.0 for t in range(vocab)]
+# --- sampling: SGLang's plain law, lossless tree walk, seeded streams ------------------------------
+TOP_K_ALL = 1 << 30  # SGLang's top_k for "no top-k"
 
 
-def empirical_distribution(tokens: torch.Tensor, vocab: int) -> list[float]:
-    return (torch.bincount(tokens, minlength=vocab).double() / len(tokens)).tolist()
+def sglang_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+               max_top_k: int | None = None) -> torch.Tensor:
+    """The distribution [rows, V] (token order) of SGLang's plain sampler, from its own code: the
+    pytorch backend's `top_k_top_p_min_p_sampling_from_probs_torch` after what `Sampler.forward`
+    does first (logits / temperature, softmax). Its filtered weights, normalised."""
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+    rows = logits.shape[0]
+    probs = torch.softmax(logits.float() / torch.full((rows, 1), temperature), dim=-1)
+    _, kept, ids, _ = top_k_top_p_min_p_sampling_from_probs_torch(
+        probs, torch.full((rows,), top_k, dtype=torch.int32), torch.full((rows,), top_p),
+        torch.full((rows,), min_p), True, None, torch.zeros(rows, dtype=torch.long),
+        return_filtered_probs=True, max_top_k=max_top_k)
+    weights = torch.zeros_like(probs).scatter_(-1, ids.long(), kept)
+    return weights / weights.sum(-1, keepdim=True)
 
 
-def total_variation(p: list[float], q: list[float]) -> float:
-    return 0.5 * sum(abs(a - b) for a, b in zip(p, q))
+def sampling(bs: int, temperature: float, top_k: int, top_p: float, min_p: float,
+             seeds: torch.Tensor | None = None, max_top_k: int | None = None) -> Sampling:
+    return Sampling(torch.full((bs,), temperature), torch.full((bs,), top_k), torch.full((bs,), top_p),
+                    torch.full((bs,), min_p), torch.arange(bs) if seeds is None else seeds, max_top_k)
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.75), (4, 0.8)])
-def test_sampling_is_lossless(top_k: int, top_p: float) -> None:
-    """First token ~ the target's filtered root distribution; second token given the first
-    (when that is a tree node) ~ the target's filtered distribution at that node."""
-    vocab, num_draws, temperature = 6, 100_000, 0.7
-    tree = DraftTree(  # root -> {2, 4, 0}; 2 -> {1, 5}; 4 -> 3
-        tokens=torch.tensor([2, 4, 0, 1, 5, 3]),
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper quantile of chi-square(df) (Wilson-Hilferty; z = 3.09: significance 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def assert_follows(counts: dict, expected: dict, what: str = "") -> None:
+    """Counts of outcomes follow the probabilities `expected` (outcome -> p): nothing outside its
+    support, and a chi-square test at significance 0.001 with cells of expected count < 5 pooled."""
+    total = sum(counts.values())
+    outside = {k: c for k, c in counts.items() if expected.get(k, 0.0) == 0.0}
+    assert not outside, f"{what}: drawn outside the law's support: {outside}"
+    small = [k for k, p in expected.items() if p * total < 5]
+    cells = [(expected[k] * total, counts.get(k, 0)) for k in expected if k not in small]
+    if small:
+        cells.append((sum(expected[k] for k in small) * total, sum(counts.get(k, 0) for k in small)))
+    assert len(cells) >= 2, f"{what}: a single cell tests nothing"
+    chi2 = sum((o - e) ** 2 / e for e, o in cells)
+    critical = chi_square_critical(len(cells) - 1)
+    assert chi2 < critical, f"{what}: chi-square {chi2:.1f} >= {critical:.1f}: {counts} vs {expected}"
+
+
+def law_dict(probs: torch.Tensor) -> dict[int, float]:
+    return {t: p for t, p in enumerate(probs.tolist()) if p > 0}
+
+
+def tally(tokens: torch.Tensor) -> dict[int, int]:
+    values, counts = tokens.unique(return_counts=True)
+    return dict(zip(values.tolist(), counts.tolist()))
+
+
+# (temperature, top_k, top_p, min_p). On CRAFTED_LOGITS' rows 1 and 2 the first, second and fourth
+# keep more tokens under SGLang's joint top-k / top-p than under top-k, renormalise, then top-p (MFD's
+# rule before); the third has min-p drop tokens that top-p keeps.
+LAW_SETTINGS = [
+    (1.0, 2, 0.55, 0.0),
+    (1.0, 3, 0.7, 0.0),
+    (0.8, TOP_K_ALL, 0.95, 0.3),
+    (1.3, 3, 0.6, 0.2),
+]
+# [7, 6]: the root row is the issue's example, [.5, .3, .2] on tokens 0-2 (top-k 2, top-p .55: SGLang
+# keeps two tokens, the old rule one); rows 1 and 2 (after tokens 0 and 1) one spread-out
+# distribution in two token orders; rows 3-6 are never checked.
+_SPREAD = [0.35, 0.25, 0.2, 0.1, 0.06, 0.04]
+CRAFTED_LOGITS = torch.tensor([
+    [0.5, 0.3, 0.2, 1e-6, 1e-6, 1e-6],
+    _SPREAD,
+    [_SPREAD[i] for i in (3, 5, 1, 0, 2, 4)],
+    *[_SPREAD[::-1]] * 4,
+]).log()
+
+
+def test_the_law_is_sglangs_plain_sampler() -> None:
+    """plain_law keeps exactly the weights of SGLang's own function, with and without the
+    max_top_k bound, over random rows and every combination of the filters."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.cat([torch.randn(64, 40, generator=generator) * scale for scale in (0.5, 2.0, 5.0)])
+    example = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    weights = plain_law(example, torch.ones(1), torch.tensor([2]), torch.tensor([0.55]), torch.zeros(1))
+    assert (weights > 0).tolist() == [[True, True, False]]  # the issue's example
+    for temperature in (0.7, 1.3):
+        for top_k in (TOP_K_ALL, 1, 3, 12):
+            for top_p in (1.0, 0.9, 0.55, 0.3):
+                for min_p in (0.0, 0.05, 0.3):
+                    settings = (temperature, top_k, top_p, min_p)
+                    expected = sglang_law(logits, *settings)
+                    bounds = [None] if top_k == TOP_K_ALL else [None, top_k, 20]
+                    for max_top_k in bounds:
+                        ours = plain_law(logits, *(torch.full((logits.shape[0],), v) for v in settings),
+                                         max_top_k=max_top_k)
+                        assert torch.equal(ours > 0, expected > 0), (settings, max_top_k)
+                        torch.testing.assert_close(ours / ours.sum(-1, keepdim=True), expected,
+                                                   rtol=0, atol=1e-6, msg=str((settings, max_top_k)))
+
+
+def test_tied_probabilities_keep_the_lower_token_ids() -> None:
+    """SGLang leaves the order of equal probabilities to its sort; MFD's is defined (lower token id
+    first), so a top-k cut through tied tokens keeps the same ones on any device."""
+    logits = torch.randint(0, 4, (200, 30), generator=torch.Generator().manual_seed(4)).float()
+    weights = plain_law(logits, torch.ones(200), torch.full((200,), 6), torch.ones(200), torch.zeros(200))
+    by_probability_then_id = logits * 100 - torch.arange(30)
+    expected = torch.zeros_like(logits).scatter_(-1, by_probability_then_id.topk(6).indices, 1.0)
+    assert torch.equal(weights > 0, expected > 0)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", LAW_SETTINGS)
+def test_tree_sampling_draws_from_sglangs_law(temperature, top_k, top_p, min_p) -> None:
+    """One request per row (its own seed): the first token follows SGLang's law at the root, the
+    second, given a first token that is a tree node, SGLang's law at that node (chi-square)."""
+    num_draws = 20_000
+    tree = DraftTree(  # root -> {0, 1, 4}; 0 -> {1, 2}; 1 -> 3
+        tokens=torch.tensor([0, 1, 4, 1, 2, 3]),
         parents=torch.tensor([-1, -1, -1, 0, 0, 1]),
         depths=torch.tensor([1, 1, 1, 2, 2, 2]),
         scores=torch.tensor([-1.0, -1.2, -1.4, -2.0, -2.2, -2.4]),
         modes=torch.zeros(6, dtype=torch.long),
         valid=torch.ones(6, dtype=torch.bool),
     )
-    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(1))
+    logits = CRAFTED_LOGITS
+    law = sglang_law(logits, temperature, top_k, top_p, min_p)
     batched = DraftTree(**{name: v.expand(num_draws, -1) for name, v in vars(tree).items()})
-    result = verify_tree_sampling(
-        batched,
-        logits.expand(num_draws, -1, -1),
-        torch.full((num_draws,), temperature),
-        torch.full((num_draws,), top_k),
-        torch.full((num_draws,), top_p),
-        generator=torch.Generator().manual_seed(2),
-    )
-    expected = [filtered_distribution(row, temperature, top_k, top_p) for row in logits.tolist()]
+    result = verify_tree_sampling(batched, logits.expand(num_draws, -1, -1),
+                                  sampling(num_draws, temperature, top_k, top_p, min_p),
+                                  root_positions=torch.full((num_draws,), 11))
     first, second = result.accepted_tokens[:, 0], result.accepted_tokens[:, 1]
-    assert total_variation(empirical_distribution(first, vocab), expected[0]) < TV_TOLERANCE
-    root_children = {2: 1, 4: 2, 0: 3}  # token -> local index
+    assert_follows(tally(first), law_dict(law[0]), "first token")
+    root_children = {0: 1, 1: 2, 4: 3}  # token -> local index
     checked = 0
-    for token in range(vocab):
+    for token in range(logits.shape[1]):
         drew = first == token
         if token not in root_children:
             assert (second[drew] == -1).all() and (result.accept_lens[drew] == 1).all()
-        elif drew.sum() >= 10_000:
-            empirical = empirical_distribution(second[drew], vocab)
-            assert total_variation(empirical, expected[root_children[token]]) < TV_TOLERANCE
+        elif drew.sum() >= 2000:
+            assert_follows(tally(second[drew]), law_dict(law[root_children[token]]), f"after {token}")
             checked += 1
     assert checked >= 1
-    if top_k:
-        support = logits[0].topk(top_k).indices.tolist()
-        assert set(first.tolist()) <= set(support)
 
 
-def test_sample_from_logits_filters() -> None:
+def test_one_requests_stream_over_positions_follows_the_law() -> None:
+    """A single seed's coins along positions are independent draws: the same distribution drawn
+    at 20000 successive positions follows SGLang's law."""
+    logits = CRAFTED_LOGITS[1:2].expand(20_000, -1)
+    settings = (1.0, 4, 0.95, 0.05)
+    tokens = sample_from_logits(logits, sampling(20_000, *settings, seeds=torch.full((20_000,), 1234)),
+                                positions=torch.arange(20_000))
+    assert_follows(tally(tokens), law_dict(sglang_law(logits[:1], *settings)[0]))
+
+
+def test_coins_are_uniform_per_seed_and_per_position() -> None:
+    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 987654321])
+    coins = stream_coins(seeds[:, None], torch.arange(5000)[None, :])
+    assert ((coins > 0) & (coins < 1)).all()
+    assert torch.equal(coins, stream_coins(seeds[:, None], torch.arange(5000)[None, :]))
+    across_seeds = stream_coins(torch.arange(5000), torch.tensor(17))
+    for sample in (*coins, across_seeds):  # each seed along positions; many seeds at one position
+        bins = (sample * 10).long()
+        assert_follows(tally(bins), {b: 0.1 for b in range(10)}, "coin deciles")
+    # Streams of different seeds differ (no two requests share one).
+    assert len({tuple(row.tolist()) for row in coins[:, :8]}) == len(seeds)
+
+
+def test_seeded_draws_are_the_requests_own() -> None:
+    """A request's tokens depend on its seed, its logits and positions only: the same in a batch
+    whose other requests have other settings; the tree's first token and, on an accepted node, its
+    second are the draws of plain sampling at those positions. Different seeds give different
+    tokens; greedy rows (top_k 1) take the argmax."""
     generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(2, 3, 50, generator=generator)
-    temperature = torch.full((2, 3), 1.3)
-    keep_all = torch.ones(2, 3)
+    # Integer logits: many exact ties, at the top and at the top-k cut.
+    logits = torch.randint(0, 4, (8, 7, 30), generator=generator).float()
+    roots = torch.arange(8) * 5
+    seeds = torch.tensor([5, 5, 6, 7, 8, 9, 10, 11])
+    alone = sampling(8, 1.0, 6, 0.9, 0.05, seeds=seeds)
+    first = sample_from_logits(logits[:, 0], alone, roots)
+    tokens = torch.randint(0, 30, (8, 6), generator=generator)
+    # Rows 0-3 accept their first node (local index 1), rows 4-7 the root's other child (local 4).
+    tokens[:4, 0], tokens[:4, 3] = first[:4], (first[:4] + 1) % 30
+    tokens[4:, 0], tokens[4:, 3] = (first[4:] + 1) % 30, first[4:]
+    tree = DraftTree(tokens=tokens, parents=torch.tensor([-1, 0, 1, -1, 3, 4]).expand(8, -1),
+                     depths=torch.tensor([1, 2, 3, 1, 2, 3]).expand(8, -1),
+                     scores=torch.zeros(8, 6), modes=torch.zeros(8, 6, dtype=torch.long),
+                     valid=torch.ones(8, 6, dtype=torch.bool))
+    mixed = Sampling(alone.temperature, torch.tensor([6, 6, 6, 6, 1, 6, 6, TOP_K_ALL]), alone.top_p,
+                     alone.min_p, seeds)
+    result = verify_tree_sampling(tree, logits, alone, roots)
+    other = verify_tree_sampling(tree, logits, mixed, roots)
+    same = torch.tensor([True, True, True, True, False, True, True, False])
+    assert torch.equal(result.accepted_tokens[same], other.accepted_tokens[same])
+    assert other.accepted_tokens[4, 0] == logits[4, 0].argmax()  # greedy: the first of the tied maxima
+    # Also with the top-k bound, whose topk orders tied maxima its own way.
+    greedy_rows = Sampling(alone.temperature, torch.tensor([1, 6] * 4), alone.top_p, alone.min_p, seeds,
+                           max_top_k=6)
+    greedy = sample_from_logits(logits[:, 0], greedy_rows, roots)
+    assert torch.equal(greedy[::2], logits[::2, 0].argmax(-1))
+    # The tree's tokens are plain sampling's: root draw at roots, an accepted first node's at roots + 1.
+    assert torch.equal(result.accepted_tokens[:, 0], first)
+    accepted = 0
+    for b in range(8):
+        node = result.accepted_local_indices[b, 0].item()
+        if node > 0:
+            row = Sampling(*(t[b : b + 1] for t in (alone.temperature, alone.top_k, alone.top_p, alone.min_p,
+                                                   alone.seeds)))
+            draw = sample_from_logits(logits[b : b + 1, node], row, roots[b : b + 1] + 1)
+            assert result.accepted_tokens[b, 1] == draw[0]
+            accepted += 1
+    assert accepted == 8
+    # Many seeds on the same logits and positions: not one shared stream.
+    many = sample_from_logits(logits[:1, 0].expand(200, -1), sampling(200, 1.0, 6, 0.9, 0.05, max_top_k=6),
+                              torch.zeros(200, dtype=torch.long))
+    assert len(many.unique()) >= 3
 
-    def draw(top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        return sample_from_logits(
-            logits.expand(400, -1, -1, -1),
-            temperature,
-            top_k,
-            top_p,
-            generator=torch.Generator().manual_seed(4),
-        )
 
-    unfiltered = draw(torch.zeros(2, 3, dtype=torch.long), keep_all)
-    assert unfiltered.shape == (400, 2, 3) and unfiltered.dtype == torch.long
-    assert torch.equal(draw(torch.full((2, 3), 50), keep_all), unfiltered)  # top_k >= V is off
-    top_k = torch.tensor([[1, 2, 3], [5, 10, 0]])
-    tokens = draw(top_k, keep_all)
-    for row in range(2):
-        for col in range(3):
-            k = top_k[row, col].item() or 50
-            support = set(logits[row, col].topk(k).indices.tolist())
-            assert set(tokens[:, row, col].tolist()) <= support
-    # A tiny top_p keeps only the most likely token.
-    assert (draw(torch.zeros(2, 3, dtype=torch.long), keep_all * 1e-6) == logits.argmax(-1)).all()
+def test_random_seeds_differ() -> None:
+    seeds = random_seeds(1000, "cpu")
+    assert seeds.dtype == torch.long and len(seeds.unique()) == 1000 and (seeds >= 0).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -205,20 +330,23 @@ def test_cuda_pipeline_matches_cpu_without_host_sync() -> None:
     logprobs = torch.randn(bs, 2, 4, vocab, generator=generator).log_softmax(-1)
     target_logits = torch.randn(bs, budget + 1, vocab, generator=generator)
     root_tokens, seq_lens = torch.tensor([1, 2, 3]), torch.tensor([7, 0, 12])
-    settings = (torch.full((bs,), 0.7), torch.tensor([0, 5, 50]), torch.tensor([1.0, 0.9, 0.5]))
+    settings = Sampling(torch.full((bs,), 0.7), torch.tensor([0, 5, 50]), torch.tensor([1.0, 0.9, 0.5]),
+                        torch.tensor([0.0, 0.1, 0.0]), torch.tensor([1, -2, 2**40]))
 
     def pipeline(device: str):
         # Inputs are moved first: a host-to-device copy itself counts as a sync.
         lp, logits, roots, lens = (
             t.to(device) for t in (logprobs, target_logits, root_tokens, seq_lens)
         )
-        sampling = [s.to(device) for s in settings]
+        on_device = Sampling(*(getattr(settings, f).to(device) for f in
+                               ("temperature", "top_k", "top_p", "min_p", "seeds")))
         with host_syncs_raise() if device == "cuda" else contextlib.nullcontext():
             tree = build_mixture_tree(lp, budget)
             layout = tree_to_verify_layout(tree, roots, lens)
             greedy = verify_tree_greedy(tree, logits)
-            verify_tree_sampling(tree, logits, *sampling)
-        return tree, layout, greedy
+            # The coins are a hash of (seed, position): the same draws on either device.
+            sampled = verify_tree_sampling(tree, logits, on_device, lens)
+        return tree, layout, greedy, sampled
 
     for cuda_part, cpu_part in zip(pipeline("cuda"), pipeline("cpu")):
         for name, value in vars(cpu_part).items():
@@ -233,3 +361,17 @@ def host_syncs_raise():
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def reference_sample(model, input_ids: list[int], max_new_tokens: int, settings: tuple, seed: int) -> list[int]:
+    """Plain autoregressive sampling of an HF model with `sample_from_logits` and the coins of `seed`
+    (settings: temperature, top_k, top_p, min_p): what a seeded request must give, whatever the
+    tree, the drafter or the batch."""
+    out: list[int] = []
+    row = Sampling(*(torch.tensor([v]) for v in settings), torch.tensor([seed]))
+    with torch.inference_mode():
+        while len(out) < max_new_tokens:
+            logits = model(torch.tensor([input_ids + out])).logits[0, -1:]
+            # The draw after the token at position len - 1 uses that position's coin.
+            out.append(int(sample_from_logits(logits, row, torch.tensor([len(input_ids) + len(out) - 1]))[0]))
+    return out

@@ -12,9 +12,10 @@ spec class answers the capability questions the 0.5.23 core asks every algorithm
 - `--speculative-num-draft-tokens` is the verify width N = B + 1 (root included), so KV reservation,
   logits buffers and CUDA-graph widths are sized by it.
 
-Launch-time checks (`validate_server_args`, run in the launcher before any process starts) load the
-drafter and compare it with the target, so a wrong drafter fails at launch with a message that
-names the field, not in the scheduler.
+Launch-time checks (`validate_server_args`, run in the launcher before any process starts) refuse
+targets whose tree verify SGLang would get silently wrong (`target_checks`: hybrid linear-attention,
+sliding-window), load the drafter and compare it with the target, so a wrong drafter fails at launch
+with a message that names the field, not in the scheduler.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def _spec_class():
 
 def resolve_server_args(server_args) -> None:
     """Fill the SGLang fields MFD implies (called on SGLang's recording stand-in at launch)."""
+    from .memory import plan_launch_memory
     from .options import default_num_draft_tokens
+    from .target_checks import disable_splitkv_verify
 
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = default_num_draft_tokens(server_args.device)
@@ -88,6 +91,7 @@ def resolve_server_args(server_args) -> None:
     server_args.speculative_num_steps = 1
     server_args.speculative_eagle_topk = 1
     server_args.enable_mixed_chunk = False
+    disable_splitkv_verify()
     if str(server_args.device) == "cpu":
         # Overlap scheduling needs a second device stream; SGLang disables it for every
         # speculative algorithm on CPU.
@@ -95,6 +99,7 @@ def resolve_server_args(server_args) -> None:
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 48
     resolve_attention_backend(server_args)
+    plan_launch_memory(server_args)
 
 
 # Attention backends that apply a custom mask to a TARGET_VERIFY whose spec input says top-k 1 (MFD's
@@ -170,12 +175,17 @@ def validate_server_args(server_args) -> None:
     from mfd_sglang.checkpoint import CheckpointError, check_fits_target, load_drafter
 
     from .options import budget_from_num_draft_tokens, read_options
+    from .target_checks import target_refusal
 
     algo = str(server_args.speculative_algorithm).upper()
     problems = _unsupported(server_args)
     if problems:
         raise ValueError(f"--speculative-algorithm {algo}: unsupported configuration: "
                          + "; ".join(problems) + ".")
+    refusal = target_refusal(server_args.model_path, trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
+                             revision=getattr(server_args, "revision", None))
+    if refusal:
+        raise ValueError(refusal)
     options = read_options()
     if server_args.speculative_num_draft_tokens is not None:
         budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)

@@ -6,7 +6,8 @@ SGLang's DFlash-family capture) and the drafter's context K/V of every prompt to
 
 Each decode round, with no host sync on a device:
   draft   the drafter fills a block `[last token, MASK...]` for its K modes in one forward over the
-          committed context (MFD_D: the single-mode path while >= threshold requests run);
+          committed context (MFD_D: the single-mode path while >= threshold requests run) and keeps
+          each position's B best tokens, scoring the vocabulary in chunks (`DraftCandidates`);
   tree    `build_mixture_tree` keeps the B best prefixes over all modes (Triton kernel on CUDA) and
           `tree_to_verify_layout` lays them out for SGLang's verify; on CUDA draft + tree + layout
           replay as one CUDA graph per batch-size bucket and mode path;
@@ -14,7 +15,8 @@ Each decode round, with no host sync on a device:
           (`eagle_prepare_for_verify`: FULL_MASK custom mask, TARGET_VERIFY, full vocabulary; a
           replay of the target's tree-verify CUDA graph, `mfd_sglang.serving.verify_graph`), then
           `verify_tree_greedy` / `verify_tree_sampling` (one target sample per node: lossless at
-          any temperature, with top-k / top-p) pick the longest agreed path and the bonus token;
+          any temperature, SGLang's top-k / top-p / min-p law, per-request seeds) pick the
+          longest agreed path and the bonus token;
   commit  SGLang's `move_accept_tokens_to_target_kvcache` moves the path's target KV to the front
           of the verify window and the drafter context K/V of the committed tokens is written.
 The result goes back in SGLang's `GenerationBatchResult` with one row of N = B + 1 output tokens
@@ -40,13 +42,17 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
 from mfd_sglang.drafter import MFDDrafter
-from mfd_sglang.tree import DraftTree, build_mixture_tree
+from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree
 from mfd_sglang.tree_layout import VerifyLayout, full_custom_mask, tree_to_verify_layout
-from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy, verify_tree_sampling
+from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
+                               verify_tree_sampling)
 
 from .algorithms import check_tree_verify_attention
+from .commit import commit_round
 from .draft_context_pool import DraftContextPool
+from .memory import memory_plan
 from .options import budget_from_num_draft_tokens, read_options
+from .target_checks import check_target_runner
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,27 @@ def reserved_lens(batch) -> torch.Tensor:
     lengths reserved by the draft input's prepare_for_decode (else the host copy of seq_lens)."""
     reserved = batch.spec_info.nxt_kv_lens_cpu
     return reserved if reserved is not None else batch.seq_lens_cpu
+
+
+def request_sampling(batch) -> Sampling:
+    """The batch's sampling settings (SGLang's plain law: temperature, top-k, top-p, min-p) and one
+    seed per request: SGLang's own seeds under --enable-deterministic-inference (42 for requests
+    without one), else the request's sampling_seed, else a fresh random seed each round (a stream of
+    its own, not reproducible)."""
+    info = batch.sampling_info
+    device = info.temperatures.device
+    seeds, seeded = info.sampling_seed, True
+    if seeds is None:
+        given = [r.sampling_params.sampling_seed for r in batch.reqs]
+        seeds = random_seeds(len(given), device)
+        seeded = any(s is not None for s in given)
+        if seeded:  # non_blocking: no host sync on a device
+            mask = torch.tensor([s is not None for s in given]).to(device, non_blocking=True)
+            values = torch.tensor([0 if s is None else s for s in given], dtype=torch.int64)
+            seeds = torch.where(mask, values.to(device, non_blocking=True), seeds)
+    # Seeded requests get the full sort, whose order does not depend on the batch (Sampling.max_top_k).
+    return Sampling(info.temperatures.reshape(-1).float(), info.top_ks.reshape(-1), info.top_ps.reshape(-1).float(),
+                    info.min_ps.reshape(-1).float(), seeds, None if seeded else info.max_top_k)
 
 
 class MFDWorkerV2(BaseSpecWorker):
@@ -90,9 +117,15 @@ class MFDWorkerV2(BaseSpecWorker):
 
         target = self.model_runner.model
         vocab = self.model_runner.model_config.vocab_size
-        # The drafter borrows the target's embeddings and head (rows past the vocabulary are padding).
+        # The drafter borrows the target's embeddings and head (rows past the vocabulary are padding);
+        # with a draft vocabulary its rows are copied once here, not every round.
         self.embed_weight = target.get_input_embeddings().weight[:vocab]
-        self.lm_head_weight = target.lm_head.weight[:vocab]
+        self.head_weight = self.drafter.head_weight(target.lm_head.weight[:vocab])
+        weights = sum(p.numel() for p in self.drafter.parameters())
+        self.memory_plan = memory_plan(ckpt.config, weights, budget=self.budget, vocab=vocab,
+                                       dtype_bytes=self.embed_weight.element_size(),
+                                       num_modes=self.drafter.mode_embed.shape[0])
+        logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         self.context_pool: DraftContextPool | None = None
         self.draft_graphs: BatchGraphs | None = None
         cfg = self.drafter.cfg
@@ -117,6 +150,7 @@ class MFDWorkerV2(BaseSpecWorker):
         # Called once the target's KV pool and attention backend exist: the drafter context pool
         # mirrors its slots, and the backend must apply the tree mask.
         check_tree_verify_attention(self.model_runner.attn_backend)
+        check_target_runner(self.model_runner)
         kv_pool = self.model_runner.token_to_kv_pool
         num_slots = kv_pool.size + kv_pool.page_size
         self.context_pool = DraftContextPool(self.drafter, num_slots, device=self.device,
@@ -153,7 +187,11 @@ class MFDWorkerV2(BaseSpecWorker):
         return self.forward_decode(batch, on_publish)
 
     def forward_prefill(self, batch, on_publish):
-        result = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        # is_verify: SGLang's sampler is skipped; MFD samples the first token itself (sample_first),
+        # so one law and one seeded stream cover every token of a request.
+        result = self.target_worker.forward_batch_generation(batch, is_verify=True,
+                                                             capture_hidden_mode=CaptureHiddenMode.FULL)
+        result.next_token_ids = self.sample_first(batch, result.logits_output.next_token_logits)
         hidden = result.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("MFD prefill got no target hidden states: the target model must support "
@@ -184,7 +222,7 @@ class MFDWorkerV2(BaseSpecWorker):
 
         tree, layout = self.draft_tree(batch, roots, seq_lens, single_mode)
         verify_batch, forward_batch, output = self.verify(batch, layout, seq_lens)
-        result = self.accept(tree, output.logits_output.next_token_logits, batch.sampling_info, seq_lens.shape[0])
+        result = self.accept(tree, output.logits_output.next_token_logits, batch, seq_lens)
         self.commit(verify_batch, result, output.logits_output.hidden_states, seq_lens)
         output.logits_output.hidden_states = None
 
@@ -221,10 +259,12 @@ class MFDWorkerV2(BaseSpecWorker):
         return self.build_tree(self.draft(roots, seq_lens, self.context_pool.gather(slots, seq_lens), single_mode),
                                roots, seq_lens)
 
-    def draft(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, single_mode: bool) -> torch.Tensor:
-        """Drafter log-probs [bs, K, D, Vd] of the blocks `[root, MASK...]` at positions seq_lens.."""
-        return self.drafter.block_logprobs(roots, seq_lens, context, self.embed_weight, self.lm_head_weight,
-                                           single_mode=single_mode)
+    def draft(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, single_mode: bool) -> DraftCandidates:
+        """The drafter's B best tokens per (mode, position) of the blocks `[root, MASK...]` at positions
+        seq_lens.., with their log-probs: all the tree reads, scored over the vocabulary in chunks so
+        that no [bs, K, D, V] tensor is ever made."""
+        return self.drafter.block_candidates(roots, seq_lens, context, self.embed_weight, self.head_weight,
+                                             self.budget, single_mode=single_mode)
 
     def draft_paged_tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, *,
                          key: bool) -> tuple[DraftTree, VerifyLayout]:
@@ -234,10 +274,10 @@ class MFDWorkerV2(BaseSpecWorker):
         context = self.context_pool.paged(req_to_token, req_pool_indices, seq_lens, self.mode_attention_backend)
         return self.build_tree(self.draft(roots, seq_lens, context, key), roots, seq_lens)
 
-    def build_tree(self, logprobs: torch.Tensor, roots: torch.Tensor,
+    def build_tree(self, candidates: DraftCandidates, roots: torch.Tensor,
                    seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
         """The mixture tree (target token ids) and its SGLang verify layout (fixed shapes)."""
-        tree = build_mixture_tree(logprobs, self.budget, backend=self.tree_backend)
+        tree = build_mixture_tree(candidates, self.budget, backend=self.tree_backend)
         tree.tokens = self.drafter.to_target_ids(tree.tokens)
         return tree, tree_to_verify_layout(tree, roots, seq_lens)
 
@@ -272,29 +312,35 @@ class MFDWorkerV2(BaseSpecWorker):
                                                              is_verify=True)
         return verify_batch, forward_batch, output
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, sampling_info, bs: int) -> TreeVerifyResult:
-        logits = logits.view(bs, self.speculative_num_draft_tokens, -1).float()
-        if sampling_info.is_all_greedy:
+    def sample_first(self, batch, logits: torch.Tensor) -> torch.Tensor:
+        """The token after each prompt (at its last token, position seq_len - 1), by the same law and
+        seeded stream as the verify rounds."""
+        if batch.sampling_info.is_all_greedy:
+            return logits.argmax(dim=-1)
+        return sample_from_logits(logits.float(), request_sampling(batch), batch.seq_lens - 1)
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor, batch, seq_lens: torch.Tensor) -> TreeVerifyResult:
+        """The accepted path: the target's argmax, or one sample per node (root at position seq_lens)."""
+        logits = logits.view(seq_lens.shape[0], self.speculative_num_draft_tokens, -1).float()
+        if batch.sampling_info.is_all_greedy:
             return verify_tree_greedy(tree, logits)
         # Greedy requests in a mixed batch carry top_k = 1, which makes their sample the argmax.
-        return verify_tree_sampling(tree, logits, sampling_info.temperatures.reshape(-1).float(),
-                                    sampling_info.top_ks.reshape(-1), sampling_info.top_ps.reshape(-1).float())
+        return verify_tree_sampling(tree, logits, request_sampling(batch), seq_lens)
 
     def commit(self, verify_batch, result: TreeVerifyResult, target_hidden: torch.Tensor,
                seq_lens: torch.Tensor) -> None:
-        """Target KV of the accepted path to the front of the verify window; drafter context K/V of
-        the committed tokens (root + accepted nodes) into their slots."""
+        """Target KV of the accepted path to the front of the verify window (SGLang's
+        `move_accept_tokens_to_target_kvcache`); drafter context K/V of the committed tokens (root +
+        accepted nodes) into their slots. The stage itself is `commit_round`, shared with the
+        round-cost benchmark."""
         bs, num_nodes = seq_lens.shape[0], self.speculative_num_draft_tokens
-        width = min(self.drafter.cfg.block_size, num_nodes)  # root + the longest possible path
-        base = torch.arange(bs, device=seq_lens.device)[:, None] * num_nodes
-        path = result.accepted_local_indices[:, : width - 1]
-        accept_index = torch.cat([base, torch.where(path >= 0, base + path, -1)], dim=1)
         allocator = self.model_runner.token_to_kv_pool_allocator
-        move_accept_tokens_to_target_kvcache(verify_batch, accept_index, result.accept_lens - 1, allocator)
 
-        # Rows past a request's accepted length land in slots it has reserved but not committed;
-        # the round that commits those positions overwrites them.
-        hidden = target_hidden[accept_index.clamp(min=0).reshape(-1)]
-        positions = (seq_lens[:, None].long() + torch.arange(width, device=seq_lens.device)).reshape(-1)
-        slots = verify_batch.out_cache_loc.view(bs, num_nodes)[:, :width].reshape(-1)
-        self.context_pool.write(self.drafter, hidden, positions, slots)
+        def move_target_kv(path: torch.Tensor) -> None:
+            # SGLang indexes the batch's flat verify window (request b's node i: b * N + i).
+            base = torch.arange(bs, device=path.device)[:, None] * num_nodes
+            accept_index = torch.where(path >= 0, base + path, -1)
+            move_accept_tokens_to_target_kvcache(verify_batch, accept_index, result.accept_lens - 1, allocator)
+
+        commit_round(result, target_hidden.view(bs, num_nodes, -1), seq_lens,
+                     verify_batch.out_cache_loc.view(bs, num_nodes), self.context_pool, self.drafter, move_target_kv)

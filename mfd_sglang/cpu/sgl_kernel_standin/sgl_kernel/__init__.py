@@ -1,14 +1,25 @@
-"""Pure-PyTorch stand-in for the CPU build of ``sgl_kernel`` (mfd_sglang, for SGLang 0.5.23).
+"""Pure-PyTorch stand-in for ``sgl_kernel`` (mfd_sglang, for SGLang 0.5.23), on CPU and on CUDA.
 
-SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports ``*_cpu`` helpers from a CPU build of
+CPU: SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports ``*_cpu`` helpers from a CPU build of
 sgl-kernel that is not published. Each function here reproduces, in plain torch, the semantics of
 the Triton (or CUDA) twin that SGLang uses on GPUs; ``tests/test_cpu_standins.py`` holds every one
-of them to its twin run under ``TRITON_INTERPRET=1``.
+of them to its twin run under ``TRITON_INTERPRET=1``. They are device-agnostic torch, so they also
+run on CUDA tensors (SGLang never calls them there; ``test_cpu_helpers_run_on_cuda_tensors`` checks
+it where CUDA is present), except ``copy_all_layer_kv_cache_cpu``, which reads raw host addresses.
+
+CUDA (the GPU check on a machine where the 373 MB CUDA wheel cannot be carried): SGLang binds
+about 40 ``sgl_kernel`` names when its modules load for a dense model. ``model_ops`` implements the
+ones a dense model's forward, sampler and CUDA-graph capture call (norms, gated activations,
+top-k / top-p renormalisation, ``weak_ref_tensor``; ``utils.is_arch_support_pdl``); the rest
+(quantized GEMM, MoE, GGUF, HiCache transfers) are placeholders that raise NotImplementedError
+naming the op when called (``_unavailable``). Deliberately absent, because SGLang guards their
+import and has its own fallback: ``sgl_kernel.scalar_type`` (``layers/quantization/utils.py``
+mocks it) and ``sgl_kernel.allreduce`` (custom all-reduce, tensor parallel only).
 
 Deliberately NOT done: registering any ``torch.ops.sgl_kernel.*`` op. SGLang probes that namespace
 to decide whether the Intel AMX kernels exist; a registration would route models onto them.
 
-The functions mutate their output arguments in place and return None, like the kernels.
+The ``*_cpu`` functions mutate their output arguments in place and return None, like the kernels.
 Functions that SGLang only imports (never calls on the paths this project uses) raise
 NotImplementedError naming themselves.
 """
@@ -147,6 +158,11 @@ def copy_all_layer_kv_cache_cpu(
     """For every buffer i (raw address data_ptrs[i], row size strides[i] bytes), copy row
     src_loc[k] to row tgt_loc[k] for all k; all rows are read before any is written
     (twin: ``copy_all_layer_kv_cache_tiled`` in kernels/ops/kvcache/cache_move.py)."""
+    if data_ptrs.device.type != "cpu":
+        # the buffers live where their address table does: reading device addresses through
+        # ctypes would crash the process
+        raise ValueError("copy_all_layer_kv_cache_cpu reads host memory only; data_ptrs is on "
+                         f"{data_ptrs.device}")
     src = src_loc.reshape(-1).to(torch.int64)
     tgt = tgt_loc.reshape(-1).to(torch.int64)
     if src.numel() == 0:
@@ -393,3 +409,19 @@ def build_draft_decode_metadata_cpu(*args, **kwargs):
 
 
 from . import speculative  # noqa: E402,F401  (sgl_kernel.speculative.reconstruct_indices_from_tree_mask)
+
+# What SGLang binds from the top-level package on CUDA (see the module docstring); the submodules
+# kvcacheio, quantization and utils load when SGLang imports from them.
+from ._unavailable import int8_scaled_mm, moe_sum, moe_sum_reduce  # noqa: E402,F401
+from .model_ops import (  # noqa: E402,F401
+    fused_add_rmsnorm,
+    gelu_and_mul,
+    gelu_tanh_and_mul,
+    gemma_fused_add_rmsnorm,
+    gemma_rmsnorm,
+    rmsnorm,
+    silu_and_mul,
+    top_k_renorm_prob,
+    top_p_renorm_prob,
+    weak_ref_tensor,
+)
