@@ -21,6 +21,28 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_multimodal(args: argparse.Namespace) -> int:
+    from .multimodal import Settings, format_report, make_multimodal, write_results
+
+    settings = Settings(
+        seed=args.seed, num_modes=args.num_modes, target_steps=args.target_steps, base_steps=args.base_steps,
+        steps=args.steps, budgets=tuple(args.budgets), prompts=args.prompts, fork_prompts=args.fork_prompts,
+        max_new_tokens=args.max_new_tokens, target_sequences=args.target_sequences,
+        data_sequences=args.data_sequences, probe_sequences=args.probe_sequences,
+    )
+    try:
+        report = make_multimodal(args.outdir, settings, progress=not args.quiet,
+                                 log=(lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr)))
+    except (ValueError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.out:
+        write_results(report, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv))
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}", file=sys.stderr)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -253,6 +275,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-steps", type=int, default=300, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser(
+        "make-multimodal", help="a universe with M known futures: train a target, a single-mode and an MFD drafter, "
+                                "report tau / chimeras / modes against the exact ceiling (minutes)",
+        description="Builds the multimodal universe of mfd_sglang/multimodal.py in OUTDIR: a small Qwen3 target "
+                    "trained on text where after every marker one of 4 coherent futures follows (drawn .4/.3/.2/.1, "
+                    "or fixed by a cue 22 tokens back that the 1-layer sliding-window drafter cannot reach), then a "
+                    "single-mode and a K-mode MFD drafter with `train` (same data, same steps), then the reference "
+                    "engine at every budget and T = 0, 1: tau of chain / DDTree / MFD, chimera shares, effective "
+                    "modes, mode-to-future assignment and the best tree's covered mass computed exactly. Prints a "
+                    "Markdown report; OUTDIR/report.json holds everything. Fixed seed: the same run.")
+    p.add_argument("outdir", help="a new (or empty) directory: target/, drafters/, data.jsonl, report.json, report.md")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same universe, models and report (default 0)")
+    p.add_argument("--num-modes", type=int, default=4, help="K of the MFD drafter (default 4)")
+    p.add_argument("--target-steps", type=int, default=300, help="target training steps (default 300)")
+    p.add_argument("--base-steps", type=int, default=300, help="base single-mode drafter steps (default 300)")
+    p.add_argument("--steps", type=int, default=300,
+                   help="fine-tuning steps of each drafter from the base, single-mode and MFD alike (default 300)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--prompts", type=int, default=24, help="whole-generation prompts per set (default 24)")
+    p.add_argument("--fork-prompts", type=int, default=64, help="fork-round prompts per set (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per whole generation (default 64)")
+    p.add_argument("--target-sequences", type=int, default=1024, help=argparse.SUPPRESS)
+    p.add_argument("--data-sequences", type=int, default=512, help=argparse.SUPPRESS)
+    p.add_argument("--probe-sequences", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--out", help="also write the report as JSON here and as Markdown next to it "
+                                 "(e.g. benchmarks/results/multimodal-DATE.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=_make_multimodal)
 
     p = sub.add_parser("generate", help="speculative generation with the reference engine (Transformers target)")
     p.add_argument("--target", required=True, help="HF model directory of the target")

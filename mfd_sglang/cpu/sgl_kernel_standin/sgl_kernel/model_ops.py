@@ -63,9 +63,7 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: O
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                       enable_pdl: Optional[bool] = None) -> None:
     """In place: residual <- input + residual; input <- rmsnorm(input + residual) * weight."""
-    total = input.float() + residual.float()
-    residual.copy_(total)
-    input.copy_(_rms_normalized(total, weight, eps, 0.0))
+    _add_then_normalize(input, residual, weight, eps, 0.0)
 
 
 @_trace
@@ -79,9 +77,14 @@ def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
 def gemma_fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                             enable_pdl: Optional[bool] = None) -> None:
     """In place: residual <- input + residual; input <- gemma_rmsnorm(input + residual)."""
+    _add_then_normalize(input, residual, weight, eps, 1.0)
+
+
+def _add_then_normalize(input, residual, weight, eps: float, weight_offset: float) -> None:
+    """The fused kernels normalise the float32 sum, not the sum rounded to the residual's dtype."""
     total = input.float() + residual.float()
     residual.copy_(total)
-    input.copy_(_rms_normalized(total, weight, eps, 1.0))
+    input.copy_(_rms_normalized(total, weight, eps, weight_offset))
 
 
 # --------------------------------------------------------------------------------------------
