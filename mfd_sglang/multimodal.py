@@ -59,14 +59,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from .checkpoint import load_drafter, parse_drafter_config, save_drafter
 from .drafter import MFDDrafter, context_features
 from .evaluate import chimera_count, node_paths
 from .hf import SamplingParams, SpeculativeGenerator, load_target
-from .tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from .tiny import SPECIAL_TOKENS, word_level_tokenizer
 from .train import TrainConfig, cosine_lr, new_drafter_config, optimizer_step, train
 from .tree import build_mixture_tree
 
@@ -242,14 +241,7 @@ TARGET_LAYERS = 4
 
 def build_tokenizer():
     """A word-level tokenizer over the universe's words (make-tiny's special tokens first)."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + words())}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="[UNK]", pad_token="<|endoftext|>", eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>", "<|mask|>"], chat_template=CHAT_TEMPLATE,
-    )
+    return word_level_tokenizer(SPECIAL_TOKENS + words())
 
 
 def universe_for(tokenizer) -> Universe:

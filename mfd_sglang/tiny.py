@@ -61,7 +61,12 @@ def vocabulary() -> list[str]:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate(vocabulary())}
+    return word_level_tokenizer(vocabulary())
+
+
+def word_level_tokenizer(tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over `tokens` (make-tiny's special tokens first), ChatML template."""
+    vocab = {token: i for i, token in enumerate(tokens)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens(SPECIAL_TOKENS)

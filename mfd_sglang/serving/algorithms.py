@@ -136,9 +136,9 @@ def resolve_attention_backend(server_args) -> None:
 def check_tree_verify_attention(attn_backend) -> None:
     """RuntimeError unless the target's instantiated attention backend applies the tree mask (the
     last line of defence if a launch path skipped `resolve_attention_backend`)."""
-    from sglang.srt.speculative.dflash_utils import resolve_dflash_verify_mask_policy
+    from .target_checks import verify_attention_backend
 
-    name, _ = resolve_dflash_verify_mask_policy(attn_backend)
+    name = type(verify_attention_backend(attn_backend)).__name__
     if name not in TREE_VERIFY_ATTENTION_CLASSES:
         raise RuntimeError(f"MFD cannot verify its tree with the {name} attention backend (it ignores the "
                            "tree mask of a top-k 1 verify). Start the server with --attention-backend "
