@@ -6,7 +6,8 @@ arguments, so what is registered here is known everywhere:
   - their HookRegistry hooks: the target check (hybrid / sliding-window targets are refused) and
     the drafter-path check before SGLang's argument resolution acts on them
     (`mfd_sglang.patches.launch_checks`), the per-request checks
-    (`mfd_sglang.patches.request_checks`) and the tree-verify CUDA-graph runner
+    (`mfd_sglang.patches.request_checks`), the penalty state on the forward's sampling info
+    (`mfd_sglang.patches.penalty_state`) and the tree-verify CUDA-graph runner
     (`mfd_sglang.patches.verify_graph`);
   - the `mfd_cpu` attention backend (plain torch, for CPU-only machines; `mfd_sglang.cpu.attention`);
   - the CPU HookRegistry hooks, when `python -m mfd_sglang.cpu.launch_server` started the process
@@ -27,7 +28,7 @@ def register() -> None:
     from . import __version__
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
-    from .patches import launch_checks, request_checks, verify_graph
+    from .patches import launch_checks, penalty_state, request_checks, verify_graph
 
     try:
         from .serving.algorithms import register_algorithms
@@ -39,6 +40,7 @@ def register() -> None:
         raise
     launch_checks.install()
     request_checks.install()
+    penalty_state.install()
     verify_graph.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()

@@ -5,8 +5,9 @@ it for every new request of a DFlash-family algorithm (``Scheduler.handle_genera
 when it returns a message, finishes that request with the message as a 400 error instead of
 scheduling it. MFD is DFlash-family (see ``mfd_sglang.serving.algorithms``), so this is the one
 place where an unsupported request can be refused before it reaches the worker: the worker's
-verification applies temperature / top-k / top-p / min-p (and sampling_seed) only, and a feature that
-changes the target's distribution (penalties, logit bias, grammars) would otherwise be ignored silently.
+verification applies the sampling law (temperature / top-k / top-p / min-p, sampling_seed), penalties,
+min_new_tokens and logit_bias at every tree node, and returns logprobs; a feature that changes the
+target's distribution otherwise (grammars, custom logit processors) would be ignored silently.
 The wrapper only adds checks when the server runs MFD or MFD_D; other algorithms see the original.
 HookRegistry rebinds the scheduler's by-name import. Re-check the call site on SGLang upgrades.
 """
@@ -21,13 +22,7 @@ def unsupported_request_features(req) -> list[str]:
     """The names of the features `req` asks for that MFD does not support (empty when none)."""
     params = req.sampling_params
     checks = [
-        ("return_logprob", bool(getattr(req, "return_logprob", False))),
         ("return_hidden_states", bool(getattr(req, "return_hidden_states", False))),
-        ("frequency_penalty", (params.frequency_penalty or 0.0) != 0.0),
-        ("presence_penalty", (params.presence_penalty or 0.0) != 0.0),
-        ("repetition_penalty", (params.repetition_penalty or 1.0) != 1.0),
-        ("min_new_tokens", (params.min_new_tokens or 0) > 0),
-        ("logit_bias", bool(getattr(params, "logit_bias", None))),
         ("json_schema / regex / ebnf / structural_tag (constrained decoding)",
          any(getattr(params, name, None) for name in ("json_schema", "regex", "ebnf", "structural_tag"))),
         ("custom_logit_processor", bool(getattr(req, "custom_logit_processor", None))),
@@ -36,7 +31,7 @@ def unsupported_request_features(req) -> list[str]:
     return [name for name, used in checks if used]
 
 
-def _running_mfd() -> bool:
+def running_mfd() -> bool:
     from sglang.srt.runtime_context import get_spec
 
     from mfd_sglang.serving.algorithms import ALGORITHMS
@@ -47,7 +42,7 @@ def _running_mfd() -> bool:
 def validate_request_around(original, req, *args, **kwargs):
     """AROUND hook: the original's verdict, then MFD's own."""
     message = original(req, *args, **kwargs)
-    if message is not None or not _running_mfd():
+    if message is not None or not running_mfd():
         return message
     unsupported = unsupported_request_features(req)
     if unsupported:

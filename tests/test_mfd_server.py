@@ -251,13 +251,7 @@ CONSTRAINED = "json_schema / regex / ebnf / structural_tag (constrained decoding
 # (test_bad_launch_fails_early_with_a_clear_message) and any lora_path without it, so a request with
 # one never reaches MFD's check.
 REFUSED_FEATURES = [
-    ("return_logprob", {"return_logprob": True}, {}),
     ("return_hidden_states", {"return_hidden_states": True}, {}),
-    ("frequency_penalty", {}, {"frequency_penalty": 0.5}),
-    ("presence_penalty", {}, {"presence_penalty": 0.5}),
-    ("repetition_penalty", {}, {"repetition_penalty": 1.2}),
-    ("min_new_tokens", {}, {"min_new_tokens": 2}),
-    ("logit_bias", {}, {"logit_bias": {"5": 2.0}}),
     (CONSTRAINED, {}, {"regex": "[a-z ]+"}),
     (CONSTRAINED, {}, {"json_schema": json.dumps({"type": "string"})}),
     (CONSTRAINED, {}, {"ebnf": 'root ::= "yes" | "no"'}),

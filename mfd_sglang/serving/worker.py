@@ -30,6 +30,7 @@ import logging
 
 import torch
 
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.runtime_context import get_spec
@@ -43,15 +44,16 @@ from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree
-from mfd_sglang.tree_layout import VerifyLayout, full_custom_mask, tree_to_verify_layout
+from mfd_sglang.tree_layout import VerifyLayout, full_custom_mask, tree_ancestor_mask, tree_to_verify_layout
 from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
                                verify_tree_sampling)
 
 from .algorithms import check_tree_verify_attention
-from .commit import commit_round
+from .commit import commit_round, committed_window_path
 from .draft_context_pool import DraftContextPool
 from .memory import memory_plan
 from .options import budget_from_num_draft_tokens, read_options
+from .penalties import OutputPenalties, adjust_tree_logits, cumulate, output_penalties, path_token_counts
 from .target_checks import check_target_runner
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,31 @@ def request_sampling(batch) -> Sampling:
     # Seeded requests get the full sort, whose order does not depend on the batch (Sampling.max_top_k).
     return Sampling(info.temperatures.reshape(-1).float(), info.top_ks.reshape(-1), info.top_ps.reshape(-1).float(),
                     info.min_ps.reshape(-1).float(), seeds, None if seeded else info.max_top_k)
+
+
+def adjust_node_logits(logits: torch.Tensor, tree: DraftTree, roots: torch.Tensor, penalties: OutputPenalties) -> None:
+    """Count each root as output (the prefill's token, or the last round's bonus), then give every
+    node's row logits [bs, N, V] the plain server's adjustment after the node's path (in place)."""
+    cumulate(penalties, roots[:, None], torch.ones_like(roots))
+    depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    counts = None
+    if penalties.counts_paths:
+        tokens = torch.cat([roots[:, None], tree.tokens], dim=1)
+        counts = path_token_counts(tokens, tree_ancestor_mask(tree), logits.shape[-1])
+    adjust_tree_logits(logits, penalties, depths, counts)
+
+
+def attach_logprobs(batch, logits_output, logits: torch.Tensor, tokens: torch.Tensor, width: int) -> None:
+    """The emitted tokens' logprobs (and top / requested-id logprobs) into logits_output, as SGLang's
+    speculative workers return them: `compute_spec_logprobs` over logits [bs * width, V], the row of
+    each emitted token tokens [bs, width] (width 1: the prefill's first token, one value per request)."""
+    rows = copy.copy(logits_output)
+    rows.next_token_logits = logits
+    compute_spec_logprobs(batch, rows, tokens.reshape(-1), chain_stride=width)
+    logits_output.next_token_logprobs = rows.next_token_logprobs.reshape(-1) if width == 1 else rows.next_token_logprobs
+    for name in ("next_token_top_logprobs_val", "next_token_top_logprobs_idx",
+                 "next_token_token_ids_logprobs_val", "next_token_token_ids_logprobs_idx"):
+        setattr(logits_output, name, getattr(rows, name))
 
 
 class MFDWorkerV2(BaseSpecWorker):
@@ -191,7 +218,13 @@ class MFDWorkerV2(BaseSpecWorker):
         # so one law and one seeded stream cover every token of a request.
         result = self.target_worker.forward_batch_generation(batch, is_verify=True,
                                                              capture_hidden_mode=CaptureHiddenMode.FULL)
-        result.next_token_ids = self.sample_first(batch, result.logits_output.next_token_logits)
+        logits = result.logits_output.next_token_logits.float()
+        penalties = output_penalties(batch.sampling_info)
+        if penalties is not None:  # nothing output yet: logit_bias and min_new_tokens' stop tokens
+            adjust_tree_logits(logits[:, None, :], penalties, torch.zeros_like(logits[:, :1], dtype=torch.int64))
+        result.next_token_ids = self.sample_first(batch, logits)
+        if batch.return_logprob:
+            attach_logprobs(batch, result.logits_output, logits, result.next_token_ids, width=1)
         hidden = result.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("MFD prefill got no target hidden states: the target model must support "
@@ -222,7 +255,13 @@ class MFDWorkerV2(BaseSpecWorker):
 
         tree, layout = self.draft_tree(batch, roots, seq_lens, single_mode)
         verify_batch, forward_batch, output = self.verify(batch, layout, seq_lens)
-        result = self.accept(tree, output.logits_output.next_token_logits, batch, seq_lens)
+        result, logits = self.accept(tree, roots, output.logits_output.next_token_logits, batch, seq_lens)
+        if batch.return_logprob:
+            # The emitted tokens' rows in order: the root's (first token), then each accepted node's.
+            path = committed_window_path(result, self.speculative_num_draft_tokens).clamp(min=0)
+            rows = logits.gather(1, path[:, :, None].expand(-1, -1, logits.shape[-1]))
+            attach_logprobs(batch, output.logits_output, rows.flatten(0, 1), result.accepted_tokens.clamp(min=0),
+                            width=self.speculative_num_draft_tokens)
         self.commit(verify_batch, result, output.logits_output.hidden_states, seq_lens)
         output.logits_output.hidden_states = None
 
@@ -319,13 +358,22 @@ class MFDWorkerV2(BaseSpecWorker):
             return logits.argmax(dim=-1)
         return sample_from_logits(logits.float(), request_sampling(batch), batch.seq_lens - 1)
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, batch, seq_lens: torch.Tensor) -> TreeVerifyResult:
-        """The accepted path: the target's argmax, or one sample per node (root at position seq_lens)."""
+    def accept(self, tree: DraftTree, roots: torch.Tensor, logits: torch.Tensor, batch,
+               seq_lens: torch.Tensor) -> tuple[TreeVerifyResult, torch.Tensor]:
+        """The accepted path: the target's argmax, or one sample per node (root at position seq_lens),
+        each node's logits adjusted as the plain server would after its path (penalties,
+        min_new_tokens, logit_bias). Also returns those logits [bs, N, V] (float32)."""
         logits = logits.view(seq_lens.shape[0], self.speculative_num_draft_tokens, -1).float()
+        penalties = output_penalties(batch.sampling_info)
+        if penalties is not None:
+            adjust_node_logits(logits, tree, roots, penalties)
         if batch.sampling_info.is_all_greedy:
-            return verify_tree_greedy(tree, logits)
-        # Greedy requests in a mixed batch carry top_k = 1, which makes their sample the argmax.
-        return verify_tree_sampling(tree, logits, request_sampling(batch), seq_lens)
+            result = verify_tree_greedy(tree, logits)
+        else:  # greedy requests in a mixed batch carry top_k = 1, which makes their sample the argmax
+            result = verify_tree_sampling(tree, logits, request_sampling(batch), seq_lens)
+        if penalties is not None:  # the accepted draft tokens; the bonus is the next round's root
+            cumulate(penalties, result.accepted_tokens, result.accept_lens - 1)
+        return result, logits
 
     def commit(self, verify_batch, result: TreeVerifyResult, target_hidden: torch.Tensor,
                seq_lens: torch.Tensor) -> None:

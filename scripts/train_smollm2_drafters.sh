@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Stronger SmolLM2-135M-Instruct drafters (issue: method), resumable: run it again after any
+# interruption and every stage continues where it stopped (the data file skips done prompts, each
+# train stage resumes from OUT/train_state/; a finished stage returns at once).
+#
+#   RUN_DIR=runs/smollm2-v2 bash scripts/train_smollm2_drafters.sh
+#
+# Data: the target's greedy answers (up to 256 tokens, chat template) to EVERY training prompt of the
+# three sets (1005). A 2-layer single-mode base, then the same extra steps for a single-mode drafter,
+# an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
+# data, same steps). On 2 CPU cores this takes hours; run it under `nice` beside other work.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+RUN=${RUN_DIR:-runs/smollm2-v2}
+BASE_STEPS=${BASE_STEPS:-3000}
+EXTRA_STEPS=${EXTRA_STEPS:-800}
+mkdir -p "$RUN"
+T=$($PY -m mfd_sglang prepare-target)
+COMMON=(--target "$T" --data "$RUN/data.jsonl" --batch-size 2 --anchors 32 --save-every 100 --dtype bfloat16 --resume)
+$PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash0" --regenerate-sets code,chat,math \
+    --max-new-tokens 256 --steps "$BASE_STEPS" --layers 2 --draft-vocab-size 4096
+$PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash" --init-from "$RUN/dflash0" --num-modes 1 --steps "$EXTRA_STEPS"
+$PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd4" --init-from "$RUN/dflash0" --num-modes 4 --steps "$EXTRA_STEPS"
+$PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd8" --init-from "$RUN/dflash0" --num-modes 8 --steps "$EXTRA_STEPS"
+echo "done: $RUN/{dflash,mfd4,mfd8}"

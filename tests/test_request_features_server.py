@@ -1,0 +1,157 @@
+"""Penalties, min_new_tokens, logit_bias and logprobs through real SGLang servers on CPU (fp32, the
+make-tiny pair), held to the plain server (same target, no speculation, no overlap scheduling: see
+`plain_server`):
+
+- greedy output with a frequency / presence / repetition penalty, min_new_tokens or a logit_bias equals
+  the plain server's token for token, alone and in one batch with other requests (MFD and MFD_D, whose
+  default switch threshold makes concurrent requests take the single-mode path); each case changes the
+  plain output, so the feature is really applied;
+- the output logprobs, top logprobs and requested-id logprobs of greedy requests equal the plain
+  server's (float tolerance), on /generate (with input logprobs) and /v1/completions streamed; at T = 1
+  they equal the plain server's scoring of the same tokens (its input logprobs of prompt + output).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+import requests
+
+from servers import generate_ids, post_json
+from test_mfd_server import assert_healthy_without_leaks, start_server
+
+MAX_NEW = 24
+# (name, sampling params): each changes this prompt's plain greedy output (checked).
+FEATURES = [
+    ("frequency_penalty", {"frequency_penalty": 2.0}),
+    ("presence_penalty", {"presence_penalty": 2.0}),
+    ("repetition_penalty", {"repetition_penalty": 2.0}),
+    ("frequency+presence", {"frequency_penalty": 1.0, "presence_penalty": 1.5}),
+    ("min_new_tokens", {"min_new_tokens": 12}),
+    ("logit_bias", {"logit_bias": {"8": 3.0, "65": -5.0}}),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_pair, tmp_path_factory):
+    # Without overlap scheduling: with it, SGLang 0.5.23's plain server counts a request's output for
+    # penalties one token late (its first decode step counts the last prompt token instead of the
+    # first output token: `ScheduleBatch.cumulate_penalty_output_tokens` reads req.output_ids before
+    # the previous step's result is in). MFD counts every output token when it is output.
+    srv = start_server(tmp_path_factory, tiny_pair, None, None, None, max_running=8,
+                       extra_args=("--disable-overlap-schedule",))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=[("MFD", 8), ("MFD_D", 16)], ids=lambda p: f"{p[0]}-B{p[1]}")
+def mfd_server(request, tiny_pair, tmp_path_factory):
+    algorithm, budget = request.param
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", algorithm, budget, max_running=8)
+    yield srv
+    try:
+        assert_healthy_without_leaks(srv)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_pair) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    # "monday tuesday": its greedy output cycles through seven tokens, so penalties bite.
+    prompt = json.loads((tiny_pair / "prompts.json").read_text())[2]
+    return tokenizer(prompt)["input_ids"]
+
+
+def many(server, ids: list[int], cases: list[dict]) -> list[list[int]]:
+    """Greedy outputs of one request per sampling-params dict, all in flight together."""
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(lambda params: generate_ids(server, ids, MAX_NEW, **params)[0], cases))
+
+
+def test_penalties_and_bias_equal_the_plain_server(plain_server, mfd_server, prompt_ids):
+    unpenalised = generate_ids(plain_server, prompt_ids, MAX_NEW)[0]
+    # min_new_tokens: stop at the plain output's 4th token unless 12 tokens are out.
+    stop = {"stop_token_ids": [unpenalised[3]], "ignore_eos": False}
+    cases = [{**params, **(stop if name == "min_new_tokens" else {})} for name, params in FEATURES]
+    for (name, _), params in zip(FEATURES, cases):
+        plain = generate_ids(plain_server, prompt_ids, MAX_NEW, **params)[0]
+        without = generate_ids(plain_server, prompt_ids, MAX_NEW, **{k: v for k, v in params.items()
+                                                                  if k in ("stop_token_ids", "ignore_eos")})[0]
+        assert plain != without, f"{name} does not change this prompt's output: the case proves nothing"
+        assert generate_ids(mfd_server, prompt_ids, MAX_NEW, **params)[0] == plain, name
+    # All in one batch, with an unpenalised request beside them.
+    plain_all = many(plain_server, prompt_ids, cases + [{}])
+    assert many(mfd_server, prompt_ids, cases + [{}]) == plain_all
+
+
+def logprob_request(server, ids: list[int], **extra) -> dict:
+    return post_json(server, "/generate", {
+        "input_ids": ids, "return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [1, 5, 9],
+        "logprob_start_len": 0,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True, **extra}})["meta_info"]
+
+
+def assert_logprob_lists_close(ours, theirs, what: str) -> None:
+    """Lists of (logprob, token id, ...) tuples, or lists of such lists (top / requested ids)."""
+    assert len(ours) == len(theirs), what
+    for a, b in zip(ours, theirs):
+        if a is None or b is None:
+            assert a == b, what
+        elif isinstance(a[0], (list, tuple)):
+            assert_logprob_lists_close(a, b, what)
+        else:
+            assert a[1] == b[1], f"{what}: token {a} vs {b}"
+            assert a[0] == pytest.approx(b[0], abs=2e-4), f"{what}: {a} vs {b}"
+
+
+def test_greedy_logprobs_equal_the_plain_server(plain_server, mfd_server, prompt_ids):
+    for extra in ({}, {"frequency_penalty": 0.7}):
+        plain, ours = logprob_request(plain_server, prompt_ids, **extra), logprob_request(mfd_server, prompt_ids, **extra)
+        for field in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs",
+                      "output_token_ids_logprobs"):
+            assert_logprob_lists_close(ours[field], plain[field], f"{field} {extra}")
+        assert len(ours["output_token_logprobs"]) == MAX_NEW
+
+
+def test_sampled_logprobs_are_the_targets_for_the_tokens_emitted(plain_server, mfd_server, prompt_ids):
+    """T = 1: the plain server scores MFD's output tokens as input; MFD's output logprobs are those."""
+    meta = post_json(mfd_server, "/generate", {
+        "input_ids": prompt_ids, "return_logprob": True,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": MAX_NEW, "ignore_eos": True,
+                            "sampling_seed": 7}})["meta_info"]
+    output = [token for _, token, _ in meta["output_token_logprobs"]]
+    scored = post_json(plain_server, "/generate", {
+        "input_ids": prompt_ids + output, "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1}})["meta_info"]["input_token_logprobs"]
+    # input_token_logprobs[k] is the logprob of input token len(prompt) - 1 + k given what precedes it.
+    assert_logprob_lists_close(meta["output_token_logprobs"], scored[1:], "T = 1 output logprobs")
+
+
+def test_streamed_completion_logprobs_equal_the_plain_server(plain_server, mfd_server, prompt_ids):
+    def streamed(server) -> list[tuple]:
+        r = requests.post(server.base_url + "/v1/completions", json={
+            "model": "default", "prompt": prompt_ids, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "stream": True}, stream=True, timeout=300)
+        assert r.status_code == 200, r.text
+        rows = []
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice.get("logprobs"):
+                lp = choice["logprobs"]
+                rows += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+        return rows
+
+    plain, ours = streamed(plain_server), streamed(mfd_server)
+    assert len(ours) == len(plain) == MAX_NEW
+    for (tok_a, lp_a, top_a), (tok_b, lp_b, top_b) in zip(ours, plain):
+        assert tok_a == tok_b
+        assert lp_a == pytest.approx(lp_b, abs=2e-4)
+        assert sorted(top_a) == sorted(top_b)
+        assert [top_a[k] for k in sorted(top_a)] == pytest.approx([top_b[k] for k in sorted(top_b)], abs=2e-4)
