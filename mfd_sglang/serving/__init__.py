@@ -7,6 +7,7 @@
 - ``memory``: the device memory MFD adds outside SGLang's plan, reserved at launch;
 - ``draft_context_pool``: the drafter's context keys/values, indexed by the target's KV slot ids;
 - ``worker``: ``MFDWorkerV2``, the spec-V2 worker (prefill, then draft / tree / verify / commit);
+- ``penalties``: penalties, min_new_tokens and logit_bias at every tree node, as the plain server applies them;
 - ``commit``: the commit stage (accepted path's target KV and drafter context), shared with benchmarks;
 - ``verify_graph``: the target's tree-verify CUDA graph runner.
 """
