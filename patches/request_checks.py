@@ -23,6 +23,7 @@ def unsupported_request_features(req) -> list[str]:
     params = req.sampling_params
     checks = [
         ("return_hidden_states", bool(getattr(req, "return_hidden_states", False))),
+        ("return_sampling_mask", bool(getattr(req, "return_sampling_mask", False))),
         ("json_schema / regex / ebnf / structural_tag (constrained decoding)",
          any(getattr(params, name, None) for name in ("json_schema", "regex", "ebnf", "structural_tag"))),
         ("custom_logit_processor", bool(getattr(req, "custom_logit_processor", None))),
@@ -46,6 +47,10 @@ def validate_request_around(original, req, *args, **kwargs):
         return message
     unsupported = unsupported_request_features(req)
     if unsupported:
+        # The refused request still passes through one prefill before its abort is sent; with
+        # return_sampling_mask set, SGLang's result processing would finish it with its own 500
+        # (no sampling support captured) instead of this 400.
+        req.return_sampling_mask = False
         return ("MFD speculative decoding does not support " + ", ".join(unsupported)
                 + " in a request. Remove it from the request, or serve this model without "
                   "--speculative-algorithm MFD for such requests.")

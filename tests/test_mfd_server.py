@@ -252,6 +252,7 @@ CONSTRAINED = "json_schema / regex / ebnf / structural_tag (constrained decoding
 # one never reaches MFD's check.
 REFUSED_FEATURES = [
     ("return_hidden_states", {"return_hidden_states": True}, {}),
+    ("return_sampling_mask", {"return_sampling_mask": True}, {"top_k": 1}),  # top_k 1: SGLang's own check passes
     (CONSTRAINED, {}, {"regex": "[a-z ]+"}),
     (CONSTRAINED, {}, {"json_schema": json.dumps({"type": "string"})}),
     (CONSTRAINED, {}, {"ebnf": 'root ::= "yes" | "no"'}),

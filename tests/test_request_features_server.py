@@ -155,3 +155,32 @@ def test_streamed_completion_logprobs_equal_the_plain_server(plain_server, mfd_s
         assert lp_a == pytest.approx(lp_b, abs=2e-4)
         assert sorted(top_a) == sorted(top_b)
         assert [top_a[k] for k in sorted(top_a)] == pytest.approx([top_b[k] for k in sorted(top_b)], abs=2e-4)
+
+
+def finished(server, payload: dict) -> list[tuple]:
+    """(output ids, finish reason) of each choice of a /generate request (n > 1 gives a list)."""
+    out = post_json(server, "/generate", payload)
+    outs = out if isinstance(out, list) else [out]
+    return [(o.get("output_ids") or o["meta_info"]["output_ids"], json.dumps(o["meta_info"]["finish_reason"]))
+            for o in outs]
+
+
+def test_stops_and_n_equal_the_plain_server(plain_server, mfd_server, prompt_ids, tiny_pair):
+    """A stop token and a stop string met inside an accepted path, and n = 2, end as on the plain server."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    reference = generate_ids(plain_server, prompt_ids, MAX_NEW)[0]
+    text = tokenizer.decode(prompt_ids)
+    stop_word = tokenizer.decode([reference[9]]).strip()
+    base = {"temperature": 0, "max_new_tokens": MAX_NEW}
+    payloads = [
+        {"input_ids": prompt_ids, "sampling_params": {**base, "stop_token_ids": [reference[6]]}},
+        {"text": text, "sampling_params": {**base, "stop": [stop_word]}},
+        {"text": text, "sampling_params": {**base, "stop": [stop_word], "no_stop_trim": True}},
+        {"input_ids": prompt_ids, "sampling_params": {**base, "n": 2, "frequency_penalty": 1.0}},
+    ]
+    for payload in payloads:
+        plain, ours = finished(plain_server, payload), finished(mfd_server, payload)
+        assert ours == plain, payload
+        assert all(len(ids) < MAX_NEW for ids, _ in plain[:1]) or "n" in payload["sampling_params"], plain
