@@ -6,8 +6,8 @@ when it returns a message, finishes that request with the message as a 400 error
 scheduling it. MFD is DFlash-family (see ``mfd_sglang.serving.algorithms``), so this is the one
 place where an unsupported request can be refused before it reaches the worker: the worker's
 verification applies the sampling law (temperature / top-k / top-p / min-p, sampling_seed), penalties,
-min_new_tokens and logit_bias at every tree node, and returns logprobs; a feature that changes the
-target's distribution otherwise (grammars, custom logit processors) would be ignored silently.
+min_new_tokens, logit_bias and grammar masks at every tree node, and returns logprobs; a feature that
+changes the target's distribution otherwise (custom logit processors) would be ignored silently.
 The wrapper only adds checks when the server runs MFD or MFD_D; other algorithms see the original.
 HookRegistry rebinds the scheduler's by-name import. Re-check the call site on SGLang upgrades.
 """
@@ -20,12 +20,9 @@ VALIDATE_DFLASH_REQUEST = "sglang.srt.speculative.dflash_utils.validate_dflash_r
 
 def unsupported_request_features(req) -> list[str]:
     """The names of the features `req` asks for that MFD does not support (empty when none)."""
-    params = req.sampling_params
     checks = [
         ("return_hidden_states", bool(getattr(req, "return_hidden_states", False))),
         ("return_sampling_mask", bool(getattr(req, "return_sampling_mask", False))),
-        ("json_schema / regex / ebnf / structural_tag (constrained decoding)",
-         any(getattr(params, name, None) for name in ("json_schema", "regex", "ebnf", "structural_tag"))),
         ("custom_logit_processor", bool(getattr(req, "custom_logit_processor", None))),
         ("lora_path", getattr(req, "lora_id", None) is not None),
     ]

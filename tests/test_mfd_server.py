@@ -244,7 +244,6 @@ def test_abort_mid_decode_ends_the_request_and_frees_its_memory(mfd_d_server, hf
     assert got == target_greedy(model, ids, MAX_NEW)
 
 
-CONSTRAINED = "json_schema / regex / ebnf / structural_tag (constrained decoding)"
 # Every request feature MFD refuses (mfd_sglang/patches/request_checks.py) as a /generate request asks
 # for it: (the name the refusal gives, top-level request fields, sampling params). Remove an entry when
 # MFD learns to serve its feature. lora_path is not here: SGLang refuses --enable-lora for MFD at launch
@@ -253,11 +252,6 @@ CONSTRAINED = "json_schema / regex / ebnf / structural_tag (constrained decoding
 REFUSED_FEATURES = [
     ("return_hidden_states", {"return_hidden_states": True}, {}),
     ("return_sampling_mask", {"return_sampling_mask": True}, {"top_k": 1}),  # top_k 1: SGLang's own check passes
-    (CONSTRAINED, {}, {"regex": "[a-z ]+"}),
-    (CONSTRAINED, {}, {"json_schema": json.dumps({"type": "string"})}),
-    (CONSTRAINED, {}, {"ebnf": 'root ::= "yes" | "no"'}),
-    (CONSTRAINED, {}, {"structural_tag": json.dumps(
-        {"type": "structural_tag", "format": {"type": "const_string", "value": "yes"}})}),
     ("custom_logit_processor", {"custom_logit_processor": "DisallowedTokensLogitsProcessor"}, {}),
 ]
 REFUSED_AT_LAUNCH = {"lora_path"}

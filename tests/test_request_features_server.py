@@ -1,4 +1,4 @@
-"""Penalties, min_new_tokens, logit_bias and logprobs through real SGLang servers on CPU (fp32, the
+"""Penalties, min_new_tokens, logit_bias, logprobs, stops and grammars through real SGLang servers on CPU (fp32, the
 make-tiny pair), held to the plain server (same target, no speculation, no overlap scheduling: see
 `plain_server`):
 
@@ -8,7 +8,10 @@ make-tiny pair), held to the plain server (same target, no speculation, no overl
   plain output, so the feature is really applied;
 - the output logprobs, top logprobs and requested-id logprobs of greedy requests equal the plain
   server's (float tolerance), on /generate (with input logprobs) and /v1/completions streamed; at T = 1
-  they equal the plain server's scoring of the same tokens (its input logprobs of prompt + output).
+  they equal the plain server's scoring of the same tokens (its input logprobs of prompt + output);
+- stop tokens and stop strings met inside an accepted path, and n = 2, end as on the plain server;
+- constrained decoding (regex, EBNF) gives the plain server's output and finish reason, also where the
+  grammar ends the output, with a penalty or a logit bias on top and beside unconstrained requests.
 """
 
 from __future__ import annotations
@@ -184,3 +187,33 @@ def test_stops_and_n_equal_the_plain_server(plain_server, mfd_server, prompt_ids
         plain, ours = finished(plain_server, payload), finished(mfd_server, payload)
         assert ours == plain, payload
         assert all(len(ids) < MAX_NEW for ids, _ in plain[:1]) or "n" in payload["sampling_params"], plain
+
+
+# Constrained decoding over the tiny pair's word-level vocabulary (xgrammar matches the concatenated token
+# strings, no spaces): (kind, grammar, a second adjustment for the batched run). Each grammar changes this
+# prompt's greedy output; the bounded ones end it (finish reason stop). The adjustments are ones the plain
+# server serves with that grammar: with some others it fails itself on this vocabulary (HTTP 500, "Grammar
+# accept_token failed" at token 0), and MFD fails in the same way there.
+GRAMMARS = [
+    ("regex", "(friday|saturday|sunday|one|two)+", {"frequency_penalty": 0.3}),
+    ("regex", "(monday|friday|two){5}", {"frequency_penalty": 1.0}),  # terminates after five tokens
+    ("ebnf", 'root ::= "thursday" ("sunday" | "april")* "."', {"presence_penalty": 1.0}),
+    ("ebnf", 'root ::= ("friday" | "saturday" | "one" | "two")+', {"logit_bias": {"60": -3.0}}),
+]
+
+
+@pytest.mark.parametrize("kind, grammar, adjustment", GRAMMARS,
+                         ids=[f"{k}{i}" for i, (k, _, _) in enumerate(GRAMMARS)])
+def test_constrained_decoding_equals_the_plain_server(plain_server, mfd_server, prompt_ids, kind, grammar, adjustment):
+    greedy = {"temperature": 0, "max_new_tokens": MAX_NEW}
+    unconstrained = finished(plain_server, {"input_ids": prompt_ids, "sampling_params": greedy})
+    payload = {"input_ids": prompt_ids, "sampling_params": {**greedy, kind: grammar}}
+    plain = finished(plain_server, payload)
+    assert plain != unconstrained, "the grammar does not change this prompt's output: the case proves nothing"
+    assert finished(mfd_server, payload) == plain
+    # With a penalty or bias too, beside an unconstrained request in one batch.
+    adjusted = {**payload, "sampling_params": {**payload["sampling_params"], **adjustment}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ours = list(pool.map(lambda p: finished(mfd_server, p),
+                             [adjusted, {"input_ids": prompt_ids, "sampling_params": greedy}]))
+    assert ours == [finished(plain_server, adjusted), unconstrained]

@@ -38,13 +38,14 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
-from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+from sglang.srt.speculative.spec_utils import (GrammarTree, build_grammar_vocab_mask,
+                                                move_accept_tokens_to_target_kvcache)
 
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree
-from mfd_sglang.tree_layout import VerifyLayout, full_custom_mask, tree_ancestor_mask, tree_to_verify_layout
+from mfd_sglang.tree_layout import VerifyLayout, full_custom_mask, tree_to_verify_layout
 from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
                                verify_tree_sampling)
 
@@ -87,15 +88,15 @@ def request_sampling(batch) -> Sampling:
                     info.min_ps.reshape(-1).float(), seeds, None if seeded else info.max_top_k)
 
 
-def adjust_node_logits(logits: torch.Tensor, tree: DraftTree, roots: torch.Tensor, penalties: OutputPenalties) -> None:
+def adjust_node_logits(logits: torch.Tensor, layout: VerifyLayout, penalties: OutputPenalties) -> None:
     """Count each root as output (the prefill's token, or the last round's bonus), then give every
     node's row logits [bs, N, V] the plain server's adjustment after the node's path (in place)."""
+    roots = layout.draft_token[:, 0]
     cumulate(penalties, roots[:, None], torch.ones_like(roots))
-    depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    depths = layout.ancestor_mask.sum(dim=-1) - 1  # ancestors and the node itself, minus the root
     counts = None
     if penalties.counts_paths:
-        tokens = torch.cat([roots[:, None], tree.tokens], dim=1)
-        counts = path_token_counts(tokens, tree_ancestor_mask(tree), logits.shape[-1])
+        counts = path_token_counts(layout.draft_token, layout.ancestor_mask, logits.shape[-1])
     adjust_tree_logits(logits, penalties, depths, counts)
 
 
@@ -211,7 +212,7 @@ class MFDWorkerV2(BaseSpecWorker):
             raise RuntimeError("MFD does not support idle batches (data-parallel attention is rejected at launch).")
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self.forward_prefill(batch, on_publish)
-        return self.forward_decode(batch, on_publish)
+        return self.forward_decode(batch, on_publish, grammar_barrier)
 
     def forward_prefill(self, batch, on_publish):
         # is_verify: SGLang's sampler is skipped; MFD samples the first token itself (sample_first),
@@ -222,6 +223,10 @@ class MFDWorkerV2(BaseSpecWorker):
         penalties = output_penalties(batch.sampling_info)
         if penalties is not None:  # nothing output yet: logit_bias and min_new_tokens' stop tokens
             adjust_tree_logits(logits[:, None, :], penalties, torch.zeros_like(logits[:, :1], dtype=torch.int64))
+        if batch.has_grammar:  # the grammars' masks at their start state (SGLang's own prefill mask)
+            batch.sampling_info.update_regex_vocab_mask()
+            batch.sampling_info.grammar_mask.apply(logits)
+            batch.sampling_info.grammar_mask = None
         result.next_token_ids = self.sample_first(batch, logits)
         if batch.return_logprob:
             attach_logprobs(batch, result.logits_output, logits, result.next_token_ids, width=1)
@@ -243,7 +248,7 @@ class MFDWorkerV2(BaseSpecWorker):
             on_publish(result.new_seq_lens)
         return result
 
-    def forward_decode(self, batch, on_publish):
+    def forward_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
         seq_lens = batch.seq_lens
         roots = draft_input.bonus_tokens.reshape(-1).long()
@@ -254,8 +259,16 @@ class MFDWorkerV2(BaseSpecWorker):
                         "single-mode" if single_mode else f"{self.drafter.mode_embed.shape[0]}-mode")
 
         tree, layout = self.draft_tree(batch, roots, seq_lens, single_mode)
+        # Grammar requests: the tree goes to the host while the verify runs (SGLang's EAGLE path).
+        grammar_tree = (GrammarTree.from_device(layout.retrive_next_token, layout.retrive_next_sibling,
+                                                layout.draft_token) if batch.has_grammar else None)
         verify_batch, forward_batch, output = self.verify(batch, layout, seq_lens)
-        result, logits = self.accept(tree, roots, output.logits_output.next_token_logits, batch, seq_lens)
+        logits = output.logits_output.next_token_logits
+        grammar_mask = None
+        if grammar_tree is not None:
+            grammar_mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,
+                                                    device=logits.device, barrier=grammar_barrier)
+        result, logits = self.accept(tree, layout, logits, batch, seq_lens, grammar_mask)
         if batch.return_logprob:
             # The emitted tokens' rows in order: the root's (first token), then each accepted node's.
             path = committed_window_path(result, self.speculative_num_draft_tokens).clamp(min=0)
@@ -358,15 +371,18 @@ class MFDWorkerV2(BaseSpecWorker):
             return logits.argmax(dim=-1)
         return sample_from_logits(logits.float(), request_sampling(batch), batch.seq_lens - 1)
 
-    def accept(self, tree: DraftTree, roots: torch.Tensor, logits: torch.Tensor, batch,
-               seq_lens: torch.Tensor) -> tuple[TreeVerifyResult, torch.Tensor]:
+    def accept(self, tree: DraftTree, layout: VerifyLayout, logits: torch.Tensor, batch, seq_lens: torch.Tensor,
+               grammar_mask=None) -> tuple[TreeVerifyResult, torch.Tensor]:
         """The accepted path: the target's argmax, or one sample per node (root at position seq_lens),
         each node's logits adjusted as the plain server would after its path (penalties,
-        min_new_tokens, logit_bias). Also returns those logits [bs, N, V] (float32)."""
+        min_new_tokens, logit_bias; the grammar's mask in the state the path leads to). Also returns
+        those logits [bs, N, V] (float32)."""
         logits = logits.view(seq_lens.shape[0], self.speculative_num_draft_tokens, -1).float()
         penalties = output_penalties(batch.sampling_info)
         if penalties is not None:
-            adjust_node_logits(logits, tree, roots, penalties)
+            adjust_node_logits(logits, layout, penalties)
+        if grammar_mask is not None:  # -inf where masked: the order with the finite adjustments does not matter
+            grammar_mask.apply(logits.view(-1, logits.shape[-1]))
         if batch.sampling_info.is_all_greedy:
             result = verify_tree_greedy(tree, logits)
         else:  # greedy requests in a mixed batch carry top_k = 1, which makes their sample the argmax
