@@ -125,7 +125,7 @@ def closed_loop(base_url: str, prompts: list[str], batch: int, total: int, max_t
 
 def chat_prompts(sets: list[str], limit: int, prompts_file: str | None = None) -> list[str]:
     """User messages: the held-out split of `sets`, or the texts of a JSON list file."""
-    from mfd_sglang.prompts import load_prompts
+    from mfd_sglang.lab.prompts import load_prompts
 
     if prompts_file:
         return json.loads(Path(prompts_file).read_text())[:limit]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mfd_sglang.evaluate import ar_tokens_per_second, load_inputs, run_method
+from mfd_sglang.lab.evaluate import ar_tokens_per_second, load_inputs, run_method
 from mfd_sglang.hf import SamplingParams, SpeculativeGenerator
 
 METHODS = ("chain", "ddtree", "mfd")

@@ -12,7 +12,7 @@ from .checkpoint import CheckpointError
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from .tiny import make_tiny
+    from .lab.tiny import make_tiny
 
     make_tiny(args.outdir, seed=args.seed, num_modes=args.num_modes,
               target_steps=args.target_steps, drafter_steps=args.drafter_steps,
@@ -22,7 +22,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _make_multimodal(args: argparse.Namespace) -> int:
-    from .multimodal import Settings, format_report, make_multimodal, write_results
+    from .lab.multimodal import Settings, format_report, make_multimodal, write_results
 
     settings = Settings(
         seed=args.seed, num_modes=args.num_modes, target_steps=args.target_steps, base_steps=args.base_steps,
@@ -109,7 +109,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _prepare_target(args: argparse.Namespace) -> int:
-    from .smollm2 import SmolLM2NotInstalled, prepare_target
+    from .lab.smollm2 import SmolLM2NotInstalled, prepare_target
 
     try:
         result = prepare_target(args.cache, dtype=args.dtype, force=args.force, progress=not args.quiet)
@@ -125,7 +125,7 @@ def _prepare_target(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DEFAULT_DRAFTER, run_demo
-    from .smollm2 import SmolLM2NotInstalled, prepare_target
+    from .lab.smollm2 import SmolLM2NotInstalled, prepare_target
 
     drafter = Path(args.drafter or DEFAULT_DRAFTER)
     if not (drafter / "config.json").is_file():
@@ -146,7 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _prompts(args: argparse.Namespace) -> int:
-    from .prompts import PROVENANCE, SETS, PromptSourceMissing, load_prompts
+    from .lab.prompts import PROVENANCE, SETS, PromptSourceMissing, load_prompts
 
     names = [args.set] if args.set else list(SETS)
     try:
@@ -173,7 +173,7 @@ def _prompts(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     import torch
-    from . import evaluate
+    from .lab import evaluate
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     target, drafters, prompt_sets, eos = evaluate.load_inputs(
@@ -197,9 +197,10 @@ def _eval(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .prompts import PromptSourceMissing
-    from .train import DTYPES, STATE_DIR, TrainConfig, train
-    from .train_data import TINY_SET, regenerate, tiny_prompts, training_prompts
+    from .lab.prompts import PromptSourceMissing
+    from .lab.train import DTYPES, STATE_DIR, TrainConfig, train
+    from .lab.tiny import tiny_prompts
+    from .lab.train_data import TINY_SET, regenerate, training_prompts
 
     if args.data is None and not args.regenerate_sets:
         print("error: give --data JSONL, --regenerate-sets SETS, or both (regenerate into --data)", file=sys.stderr)
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "make-multimodal", help="a universe with M known futures: train a target, a single-mode and an MFD drafter, "
                                 "report tau / chimeras / modes against the exact ceiling (minutes)",
-        description="Builds the multimodal universe of mfd_sglang/multimodal.py in OUTDIR: a small Qwen3 target "
+        description="Builds the multimodal universe of mfd_sglang/lab/multimodal.py in OUTDIR: a small Qwen3 target "
                     "trained on text where after every marker one of 4 coherent futures follows (drawn .4/.3/.2/.1, "
                     "or fixed by a cue 22 tokens back that the 1-layer sliding-window drafter cannot reach), then a "
                     "single-mode and a K-mode MFD drafter with `train` (same data, same steps), then the reference "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mfd_sglang.checkpoint import load_drafter, save_drafter
-from mfd_sglang.tiny import make_tiny
+from mfd_sglang.lab.tiny import make_tiny
 
 
 @pytest.fixture(scope="session")

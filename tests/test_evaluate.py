@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mfd_sglang import evaluate
+from mfd_sglang.lab import evaluate
 from mfd_sglang.cli import main
-from mfd_sglang.evaluate import chimera_count, covered_mass, node_paths, run_method
+from mfd_sglang.lab.evaluate import chimera_count, covered_mass, node_paths, run_method
 from mfd_sglang.hf import GenerationOutput, RoundStats, SpeculativeGenerator, eos_token_ids
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.verify import TreeVerifyResult

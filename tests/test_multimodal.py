@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mfd_sglang import multimodal as mm
-from mfd_sglang.evaluate import chimera_count, node_paths
+from mfd_sglang.lab import multimodal as mm
+from mfd_sglang.lab.evaluate import chimera_count, node_paths
 from mfd_sglang.tree import build_mixture_tree
 
 

@@ -7,7 +7,7 @@ from importlib.metadata import distribution
 
 import pytest
 
-from mfd_sglang import prompts as P
+from mfd_sglang.lab import prompts as P
 from mfd_sglang.cli import main
 
 EXPECTED_COUNTS = {"code": 164, "chat": 80, "math": 1000}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mfd_sglang import smollm2
+from mfd_sglang.lab import smollm2
 from mfd_sglang.cli import main
 
 

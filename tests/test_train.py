@@ -13,10 +13,11 @@ from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cli import main
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.hf import SpeculativeGenerator, load_target
-from mfd_sglang.train import (
+from mfd_sglang.lab.train import (
     TrainConfig, block_loss, build_draft_vocab, chain_coverage, dpace_weights, load_sequences, mode_weights, train,
 )
-from mfd_sglang.train_data import read_records, regenerate, tiny_prompts
+from mfd_sglang.lab.tiny import tiny_prompts
+from mfd_sglang.lab.train_data import read_records, regenerate
 
 MAX_NEW = 32
 
@@ -107,8 +108,8 @@ def test_regeneration_is_the_targets_greedy_output_and_resumable(tiny_pair, targ
 
 
 def test_regeneration_uses_the_training_split_only(tiny_pair, tmp_path):
-    from mfd_sglang.prompts import load_prompts, split_of
-    from mfd_sglang.train_data import TrainPrompt, training_prompts
+    from mfd_sglang.lab.prompts import load_prompts, split_of
+    from mfd_sglang.lab.train_data import TrainPrompt, training_prompts
 
     code = training_prompts(["code"])
     assert code and all(split_of(p.set, p.text) == "train" for p in code)

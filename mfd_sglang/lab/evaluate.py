@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .drafter import MFDDrafter, context_features
-from .hf import SamplingParams, SpeculativeGenerator
-from .tree import DraftTree
+from ..drafter import MFDDrafter, context_features
+from ..hf import SamplingParams, SpeculativeGenerator
+from ..tree import DraftTree
 
 
 @dataclass
@@ -120,8 +120,8 @@ def load_inputs(target_path, single_path, mfd_path, dtype: torch.dtype, sets: li
     raw texts of `prompts_file` (a JSON list) as the one set "prompts"."""
     from transformers import AutoTokenizer
 
-    from .checkpoint import check_fits_target, load_drafter
-    from .hf import eos_token_ids, load_target
+    from ..checkpoint import check_fits_target, load_drafter
+    from ..hf import eos_token_ids, load_target
 
     drafters = {}
     for role, path in (("single", single_path), ("mfd", mfd_path)):

@@ -16,13 +16,13 @@ a second call skips every (set, id) already in the file (a torn last line is dro
 
 The make-tiny pair has its own mode (set name "tiny"): the pair's `prompts.json` plus snippets of
 its synthetic corpus, as raw text (the tiny target was trained without a chat template), so tests
-regenerate data in a second.
+regenerate data in a second (`tiny.tiny_prompts`: the pair's module builds them, this one does not
+import it).
 """
 
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -52,22 +52,6 @@ def training_prompts(sets: Iterable[str], limit: int | None = None) -> list[Trai
         prompts = load_prompts(name, split="train", limit=limit)
         require_train(prompts)
         out += [TrainPrompt(p.id, p.set, p.text) for p in prompts]
-    return out
-
-
-def tiny_prompts(pair_dir: str | Path, count: int = 64, seed: int = 0) -> list[TrainPrompt]:
-    """For the make-tiny pair: its prompts.json, then corpus snippets (3-12 words) up to `count` prompts."""
-    from .tiny import build_tokenizer, corpus_stream
-
-    texts = json.loads((Path(pair_dir) / "prompts.json").read_text())
-    out = [TrainPrompt(f"tiny/prompts/{i}", TINY_SET, t) for i, t in enumerate(texts)][:count]
-    rng = random.Random(seed)
-    tokenizer = build_tokenizer()
-    i = 0
-    while len(out) < count:
-        ids = corpus_stream(rng, tokenizer, rng.randint(3, 12))
-        out.append(TrainPrompt(f"tiny/corpus/s{seed}/{i}", TINY_SET, " ".join(tokenizer.convert_ids_to_tokens(ids))))
-        i += 1
     return out
 
 
@@ -146,7 +130,7 @@ def regenerate(target_dir: str | Path, out_path: str | Path, prompts: list[Train
     """
     from transformers import AutoTokenizer
 
-    from .hf import load_target
+    from ..hf import load_target
     from .prompts import require_train
 
     real = [p for p in prompts if p.set != TINY_SET]

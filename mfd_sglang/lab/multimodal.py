@@ -61,13 +61,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
-from .checkpoint import load_drafter, parse_drafter_config, save_drafter
-from .drafter import MFDDrafter, context_features
+from ..checkpoint import load_drafter, parse_drafter_config, save_drafter
+from ..drafter import MFDDrafter, context_features
 from .evaluate import chimera_count, node_paths
-from .hf import SamplingParams, SpeculativeGenerator, load_target
+from ..hf import SamplingParams, SpeculativeGenerator, load_target
 from .tiny import SPECIAL_TOKENS, word_level_tokenizer
 from .train import TrainConfig, cosine_lr, new_drafter_config, optimizer_step, train
-from .tree import build_mixture_tree
+from ..tree import build_mixture_tree
 
 # --- the universe (pure Python, exact) ----------------------------------------------------------
 

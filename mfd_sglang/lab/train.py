@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .drafter import DraftContext, MFDDrafter
+from ..drafter import DraftContext, MFDDrafter
 
 POSITION_DECAY = 7.0
 WINNER_SHARE = 0.9
@@ -362,7 +362,7 @@ def _with_modes(raw: dict, num_modes: int, draft_vocab_size: int | None) -> dict
 def init_drafter(cfg: TrainConfig, target, tokenizer, sequences, generator: torch.Generator):
     """(drafter, raw config): from --init-from (its weights copied; K modes around its default path)
     or from scratch (normal(0, 0.02) matrices, unit norms)."""
-    from .checkpoint import load_drafter, parse_drafter_config
+    from ..checkpoint import load_drafter, parse_drafter_config
 
     embed = target.get_input_embeddings().weight.detach().float()
     base = None
@@ -457,9 +457,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     cfg.out/train_state/. `stop_after`: end this call after that many total steps (as an interruption)."""
     from transformers import AutoTokenizer
 
-    from .checkpoint import load_drafter, save_drafter
-    from .drafter import context_features
-    from .hf import load_target
+    from ..checkpoint import load_drafter, save_drafter
+    from ..drafter import context_features
+    from ..hf import load_target
 
     if cfg.num_modes < 1:
         raise ValueError(f"--num-modes must be >= 1, got {cfg.num_modes}")

@@ -21,8 +21,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from .checkpoint import load_drafter, parse_drafter_config, save_drafter
-from .drafter import MFDDrafter, context_features
+from ..checkpoint import load_drafter, parse_drafter_config, save_drafter
+from ..drafter import MFDDrafter, context_features
 from .train import cosine_lr, drafter_loss, optimizer_step, sample_anchors
 
 WORD_LISTS = [
@@ -184,3 +184,19 @@ def make_tiny(outdir: str | Path, *, seed: int = 0, num_modes: int = 4, target_s
     (outdir / "prompts.json").write_text(json.dumps(PROMPTS, indent=2) + "\n")
     log(f"[make-tiny] wrote {outdir}/target and {outdir}/drafter in {time.perf_counter() - start:.1f} s")
     return outdir
+
+
+def tiny_prompts(pair_dir: str | Path, count: int = 64, seed: int = 0) -> list[TrainPrompt]:
+    """For the make-tiny pair: its prompts.json, then corpus snippets (3-12 words) up to `count` prompts."""
+    from .train_data import TINY_SET, TrainPrompt
+
+    texts = json.loads((Path(pair_dir) / "prompts.json").read_text())
+    out = [TrainPrompt(f"tiny/prompts/{i}", TINY_SET, t) for i, t in enumerate(texts)][:count]
+    rng = random.Random(seed)
+    tokenizer = build_tokenizer()
+    i = 0
+    while len(out) < count:
+        ids = corpus_stream(rng, tokenizer, rng.randint(3, 12))
+        out.append(TrainPrompt(f"tiny/corpus/s{seed}/{i}", TINY_SET, " ".join(tokenizer.convert_ids_to_tokens(ids))))
+        i += 1
+    return out
