@@ -63,28 +63,8 @@ def start_server(tmp_path_factory, tiny_pair, drafter: Path, algorithm: str, bud
     return ServerProcess(cmd, log, port=port, env=env, cwd=REPO, startup_timeout=600).start()
 
 
-def wait_until_idle(server: ServerProcess, deadline_s: float = 300.0) -> None:
-    """Poll the scheduler's load snapshots (/v1/loads) until two successive ones, both published after
-    this call, show no running and no waiting request. While idle the scheduler republishes its
-    snapshot on every pass of its idle loop, right after SGLang's strict KV-leak check (which kills
-    the scheduler on a leak), so the second idle snapshot follows at least one check of idle pools."""
-    start = time.time()
-    idle_since = None  # timestamp of the last idle snapshot seen
-    while time.time() < start + deadline_s:
-        try:
-            load = requests.get(server.base_url + "/v1/loads", timeout=60).json()["loads"][0]
-        except requests.RequestException as e:  # e.g. the leak check killed the server
-            pytest.fail(f"/v1/loads: {type(e).__name__}: {e}\n{log_tail(server.log_path)}")
-        idle = load["timestamp"] > start and load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
-        if idle and idle_since is not None and load["timestamp"] > idle_since:
-            return
-        idle_since = load["timestamp"] if idle else None
-        time.sleep(0.2)
-    pytest.fail(f"the server did not go idle within {deadline_s:.0f} s (last load: {load})\n{log_tail(server.log_path)}")
-
-
 def assert_healthy_without_leaks(server: ServerProcess) -> None:
-    wait_until_idle(server)
+    server.wait_until_idle()
     assert requests.get(server.base_url + "/health", timeout=60).status_code == 200, log_tail(server.log_path)
     assert "memory leak" not in server.log(), log_tail(server.log_path)
 
