@@ -70,6 +70,23 @@ def prompt_ids(tiny_pair) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+_PLAIN_ANSWERS: dict[tuple, list[tuple]] = {}
+
+
+def plain_finished(plain_server, payload: dict) -> list[tuple]:
+    """`finished` on the plain server, memoised: both MFD servers are held to the same answers."""
+    key = (plain_server.port, json.dumps(payload, sort_keys=True))
+    if key not in _PLAIN_ANSWERS:
+        _PLAIN_ANSWERS[key] = finished(plain_server, payload)
+    return _PLAIN_ANSWERS[key]
+
+
+def plain_greedy(plain_server, ids: list[int], **params) -> list[int]:
+    """The plain server's greedy output ids for `params` (memoised)."""
+    sampling = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True, **params}
+    return plain_finished(plain_server, {"input_ids": ids, "sampling_params": sampling})[0][0]
+
+
 def many(server, ids: list[int], cases: list[dict]) -> list[list[int]]:
     """Greedy outputs of one request per sampling-params dict, all in flight together."""
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
@@ -77,14 +94,14 @@ def many(server, ids: list[int], cases: list[dict]) -> list[list[int]]:
 
 
 def test_penalties_and_bias_equal_the_plain_server(plain_server, mfd_server, prompt_ids):
-    unpenalised = generate_ids(plain_server, prompt_ids, MAX_NEW)[0]
+    unpenalised = plain_greedy(plain_server, prompt_ids)
     # min_new_tokens: stop at the plain output's 4th token unless 12 tokens are out.
     stop = {"stop_token_ids": [unpenalised[3]], "ignore_eos": False}
     cases = [{**params, **(stop if name == "min_new_tokens" else {})} for name, params in FEATURES]
     for (name, _), params in zip(FEATURES, cases):
-        plain = generate_ids(plain_server, prompt_ids, MAX_NEW, **params)[0]
-        without = generate_ids(plain_server, prompt_ids, MAX_NEW, **{k: v for k, v in params.items()
-                                                                  if k in ("stop_token_ids", "ignore_eos")})[0]
+        plain = plain_greedy(plain_server, prompt_ids, **params)
+        without = plain_greedy(plain_server, prompt_ids, **{k: v for k, v in params.items()
+                                                            if k in ("stop_token_ids", "ignore_eos")})
         assert plain != without, f"{name} does not change this prompt's output: the case proves nothing"
         assert generate_ids(mfd_server, prompt_ids, MAX_NEW, **params)[0] == plain, name
     # All in one batch, with an unpenalised request beside them.
@@ -173,7 +190,7 @@ def test_stops_and_n_equal_the_plain_server(plain_server, mfd_server, prompt_ids
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
-    reference = generate_ids(plain_server, prompt_ids, MAX_NEW)[0]
+    reference = plain_greedy(plain_server, prompt_ids)
     text = tokenizer.decode(prompt_ids)
     stop_word = tokenizer.decode([reference[9]]).strip()
     base = {"temperature": 0, "max_new_tokens": MAX_NEW}
@@ -184,7 +201,7 @@ def test_stops_and_n_equal_the_plain_server(plain_server, mfd_server, prompt_ids
         {"input_ids": prompt_ids, "sampling_params": {**base, "n": 2, "frequency_penalty": 1.0}},
     ]
     for payload in payloads:
-        plain, ours = finished(plain_server, payload), finished(mfd_server, payload)
+        plain, ours = plain_finished(plain_server, payload), finished(mfd_server, payload)
         assert ours == plain, payload
         assert all(len(ids) < MAX_NEW for ids, _ in plain[:1]) or "n" in payload["sampling_params"], plain
 
@@ -206,9 +223,9 @@ GRAMMARS = [
                          ids=[f"{k}{i}" for i, (k, _, _) in enumerate(GRAMMARS)])
 def test_constrained_decoding_equals_the_plain_server(plain_server, mfd_server, prompt_ids, kind, grammar, adjustment):
     greedy = {"temperature": 0, "max_new_tokens": MAX_NEW}
-    unconstrained = finished(plain_server, {"input_ids": prompt_ids, "sampling_params": greedy})
+    unconstrained = plain_finished(plain_server, {"input_ids": prompt_ids, "sampling_params": greedy})
     payload = {"input_ids": prompt_ids, "sampling_params": {**greedy, kind: grammar}}
-    plain = finished(plain_server, payload)
+    plain = plain_finished(plain_server, payload)
     assert plain != unconstrained, "the grammar does not change this prompt's output: the case proves nothing"
     assert finished(mfd_server, payload) == plain
     # With a penalty or bias too, beside an unconstrained request in one batch.
@@ -216,4 +233,4 @@ def test_constrained_decoding_equals_the_plain_server(plain_server, mfd_server, 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         ours = list(pool.map(lambda p: finished(mfd_server, p),
                              [adjusted, {"input_ids": prompt_ids, "sampling_params": greedy}]))
-    assert ours == [finished(plain_server, adjusted), unconstrained]
+    assert ours == [plain_finished(plain_server, adjusted), unconstrained]
