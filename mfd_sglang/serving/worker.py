@@ -13,10 +13,12 @@ Each decode round, with no host sync on a device:
           replay as one CUDA graph per batch-size bucket and mode path;
   verify  the root and the B nodes go through SGLang's tree-verify forward
           (`eagle_prepare_for_verify`: FULL_MASK custom mask, TARGET_VERIFY, full vocabulary; a
-          replay of the target's tree-verify CUDA graph, `mfd_sglang.serving.verify_graph`), then
-          `verify_tree_greedy` / `verify_tree_sampling` (one target sample per node: lossless at
-          any temperature, SGLang's top-k / top-p / min-p law, per-request seeds) pick the
-          longest agreed path and the bonus token;
+          replay of the target's tree-verify CUDA graph, `mfd_sglang.serving.verify_graph`);
+  accept  each node's logits get what the plain server would apply after the node's path
+          (penalties, min_new_tokens, logit_bias: `penalties`; the grammar's mask: SGLang's tree
+          traversal), then `verify_tree_greedy` / `verify_tree_sampling` (one target sample per
+          node: lossless at any temperature, SGLang's top-k / top-p / min-p law, per-request
+          seeds) pick the longest agreed path and the bonus token; logprobs come from those rows;
   commit  SGLang's `move_accept_tokens_to_target_kvcache` moves the path's target KV to the front
           of the verify window and the drafter context K/V of the committed tokens is written.
 The result goes back in SGLang's `GenerationBatchResult` with one row of N = B + 1 output tokens
