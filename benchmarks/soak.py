@@ -103,6 +103,8 @@ def one_request(server, reference: Reference, rng: random.Random, vocab: list[in
     prompts = make_prompts(rng, vocab)
     ids = prompts[rng.choice(list(prompts))]
     max_new = rng.randint(4, 48)
+    from mfd_sglang.server_process import stream_then_abort
+
     url = server.base_url + "/generate"
     try:
         if kind in ("greedy", "penalised"):
@@ -129,18 +131,8 @@ def one_request(server, reference: Reference, rng: random.Random, vocab: list[in
             rid = f"soak-{uuid.uuid4().hex}"
             payload = {"rid": rid, "input_ids": ids, "stream": True,
                        "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}
-            chunks, abort_after = [], rng.randint(1, 4)
-            with requests.post(url, json=payload, stream=True, timeout=600) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    body = line[len(b"data:"):].strip() if line.startswith(b"data:") else b""
-                    if body == b"[DONE]":
-                        break
-                    if body:
-                        chunks.append(json.loads(body)["meta_info"])
-                        if len(chunks) == abort_after:
-                            requests.post(server.base_url + "/abort_request", json={"rid": rid},
-                                          timeout=60).raise_for_status()
+            abort_after = rng.randint(1, 4)
+            chunks = stream_then_abort(server, payload, abort_after)
             last = chunks[-1] if chunks else {}
             reason = (last.get("finish_reason") or {}).get("type")
             # A request can finish in the round in which the abort arrives; it may not run on.

@@ -10,6 +10,7 @@ own launcher on a GPU machine, `mfd_sglang.cpu.launch_server` on a CPU-only one.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -187,6 +188,24 @@ def post_json(server: ServerProcess, path: str, payload: dict, timeout: float = 
     if r.status_code != 200:
         raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:2000]}\n--- log ---\n{log_tail(server.log_path)}")
     return r.json()
+
+
+def stream_then_abort(server: ServerProcess, payload: dict, abort_after: int, timeout: float = 600) -> list[dict]:
+    """Stream /generate for `payload` (its "rid" set, "stream" on) and abort the request by its id through
+    /abort_request once `abort_after` chunks have arrived; returns the meta_info of every chunk."""
+    chunks = []
+    with requests.post(server.base_url + "/generate", json=payload, stream=True, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            body = line[len(b"data:"):].strip() if line.startswith(b"data:") else b""
+            if body == b"[DONE]":
+                break
+            if body:
+                chunks.append(json.loads(body)["meta_info"])
+                if len(chunks) == abort_after:
+                    requests.post(server.base_url + "/abort_request", json={"rid": payload["rid"]},
+                                  timeout=60).raise_for_status()
+    return chunks
 
 
 def generate_ids(server: ServerProcess, input_ids: list[int], max_new_tokens: int, **sampling) -> tuple[list[int], dict]:

@@ -10,10 +10,8 @@ idle, then checked for health and leak warnings, when its tests are done."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import subprocess
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +25,7 @@ from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.hf import SpeculativeGenerator, load_target
 from mfd_sglang.patches.request_checks import unsupported_request_features
-from mfd_sglang.server_process import launch_command
+from mfd_sglang.server_process import launch_command, stream_then_abort
 from servers import (ServerProcess, chat_ids, chat_template_ids, completion_ids, free_port, generate_ids,
                      log_tail)
 from test_verify import TOP_K_ALL, reference_sample
@@ -69,6 +67,16 @@ def assert_healthy_without_leaks(server: ServerProcess) -> None:
     assert "memory leak" not in server.log(), log_tail(server.log_path)
 
 
+def served_without_leaks(server: ServerProcess):
+    """A module fixture's body: yield the server to its tests, then check it idle, healthy and leak-free,
+    and stop it (also when the check fails). Use as `yield from served_without_leaks(server)`."""
+    yield server
+    try:
+        assert_healthy_without_leaks(server)
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module", params=SERVERS, ids=lambda p: f"{p[0]}-B{p[1]}-{p[2]}")
 def server(request, tiny_pair, tiny_dflash_drafter, tmp_path_factory):
     algorithm, budget, drafter, threshold = request.param
@@ -77,11 +85,7 @@ def server(request, tiny_pair, tiny_dflash_drafter, tmp_path_factory):
     # What the reference engine needs to run the same rounds: with one request in flight MFD_D takes
     # its single-mode path when the threshold is 1.
     srv.spec = SimpleNamespace(budget=budget, drafter=path, single_mode=algorithm == "MFD_D" and threshold == 1)
-    yield srv
-    try:
-        assert_healthy_without_leaks(srv)
-    finally:
-        srv.stop()
+    yield from served_without_leaks(srv)
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +95,7 @@ def mfd_d_server(tiny_pair, tmp_path_factory):
     SGLang's own checks and reach MFD's."""
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 8, max_running=6,
                        log_level="info", extra_args=("--enable-return-hidden-states", "--enable-custom-logit-processor"))
-    yield srv
-    try:
-        assert_healthy_without_leaks(srv)
-    finally:
-        srv.stop()
+    yield from served_without_leaks(srv)
 
 
 @pytest.fixture(scope="module")
@@ -205,17 +205,7 @@ def test_abort_mid_decode_ends_the_request_and_frees_its_memory(mfd_d_server, hf
     rid = f"abort-{uuid.uuid4().hex}"
     payload = {"rid": rid, "input_ids": ids, "stream": True,
                "sampling_params": {"temperature": 0, "max_new_tokens": 600, "ignore_eos": True}}
-    chunks = []  # meta_info of every streamed chunk
-    with requests.post(mfd_d_server.base_url + "/generate", json=payload, stream=True, timeout=300) as r:
-        for line in r.iter_lines():
-            body = line[len(b"data:"):].strip() if line.startswith(b"data:") else b""
-            if body == b"[DONE]":
-                break
-            if body:
-                chunks.append(json.loads(body)["meta_info"])
-                if len(chunks) == 3:
-                    requests.post(mfd_d_server.base_url + "/abort_request", json={"rid": rid},
-                                  timeout=60).raise_for_status()
+    chunks = stream_then_abort(mfd_d_server, payload, abort_after=3, timeout=300)  # meta_info of every chunk
     assert len(chunks) >= 3 and chunks[2]["finish_reason"] is None, chunks  # decoding when aborted
     assert chunks[-1]["finish_reason"]["type"] == "abort", chunks[-1]
     assert chunks[-1]["completion_tokens"] < 600

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from servers import generate_ids, post_json
-from test_mfd_server import assert_healthy_without_leaks, start_server
+from test_mfd_server import served_without_leaks, start_server
 
 MAX_NEW = 24
 # (name, sampling params): each changes this prompt's plain greedy output (checked).
@@ -54,11 +54,7 @@ def mfd_server(tiny_pair, tmp_path_factory):
     # MFD_D at its default switch threshold (3): a request alone drafts with all K modes, the batched
     # cases (4 to 7 requests in flight) with the single-mode path, so both drafting paths are covered.
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=8)
-    yield srv
-    try:
-        assert_healthy_without_leaks(srv)
-    finally:
-        srv.stop()
+    yield from served_without_leaks(srv)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from servers import generate_ids
-from test_mfd_server import assert_healthy_without_leaks, start_server
+from test_mfd_server import served_without_leaks, start_server
 from test_verify import TOP_K_ALL, assert_follows, reference_sample, sglang_law
 
 PROMPT = "hello , what next ?"
@@ -35,11 +35,7 @@ SEED_LAW = (1.5, TOP_K_ALL, 0.95, 0.02)  # a spread-out law for the seed tests
 @pytest.fixture(scope="module")
 def mfd_server(tiny_pair, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD", 8, max_running=8)
-    yield srv
-    try:
-        assert_healthy_without_leaks(srv)
-    finally:
-        srv.stop()
+    yield from served_without_leaks(srv)
 
 
 @pytest.fixture(scope="module")

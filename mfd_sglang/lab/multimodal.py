@@ -892,7 +892,7 @@ def format_report(report: dict) -> str:
                      f"{'-' if share is None else f'{share:.3f}'} (>= {EXPECTED_CHIMERAS}): {'met' if e['met'] else 'NOT met'}"
                      + ("" if e["ceiling_over_ddtree"] is None
                         else f"; the best tree itself reaches {e['ceiling_over_ddtree']:.2f}x DDTree"))
-    lines.append(f"- wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in report["seconds"].items()))
+    lines.append("- wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in report["seconds"].items()))
     return "\n".join(lines).lstrip("\n")
 
 

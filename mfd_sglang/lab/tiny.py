@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from ..checkpoint import load_drafter, parse_drafter_config, save_drafter
 from ..drafter import MFDDrafter, context_features
 from .train import cosine_lr, drafter_loss, optimizer_step, sample_anchors
+from .train_data import TINY_SET, TrainPrompt
 
 WORD_LISTS = [
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split(),
@@ -188,8 +189,6 @@ def make_tiny(outdir: str | Path, *, seed: int = 0, num_modes: int = 4, target_s
 
 def tiny_prompts(pair_dir: str | Path, count: int = 64, seed: int = 0) -> list[TrainPrompt]:
     """For the make-tiny pair: its prompts.json, then corpus snippets (3-12 words) up to `count` prompts."""
-    from .train_data import TINY_SET, TrainPrompt
-
     texts = json.loads((Path(pair_dir) / "prompts.json").read_text())
     out = [TrainPrompt(f"tiny/prompts/{i}", TINY_SET, t) for i, t in enumerate(texts)][:count]
     rng = random.Random(seed)
