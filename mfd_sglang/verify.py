@@ -80,6 +80,17 @@ def verify_tree_sampling(tree: DraftTree, target_logits: Tensor, sampling: Sampl
     return _accept_path(tree, target_tokens)
 
 
+def sub_budget_accept_lens(result: TreeVerifyResult, budgets: Tensor) -> Tensor:
+    """[bs, len(budgets)]: the tokens each request would have committed this round (accepted draft
+    tokens + the bonus) had its tree held only its first b nodes, for each b in budgets [n] (0: plain
+    decoding, one token). Exact, for greedy and sampled verification alike: the first b nodes of a
+    `DraftTree` form a tree (rank order, parents first); a node's target token depends only on its path
+    (its logits, the coin of its position); so that tree's accepted path is the longest prefix of this
+    one inside it. The path's local indices increase with depth, so that prefix is its nodes <= b."""
+    path = result.accepted_local_indices[:, :, None]
+    return 1 + ((path >= 1) & (path <= budgets)).sum(dim=1)
+
+
 def sample_from_logits(logits: Tensor, sampling: Sampling, positions: Tensor) -> Tensor:
     """One token per row of logits [bs, ..., V] under SGLang's plain law (`plain_law`), drawn by
     inversion with the coin of (the request's seed, positions [bs, ...]): positions[...] is the

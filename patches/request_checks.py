@@ -6,8 +6,9 @@ when it returns a message, finishes that request with the message as a 400 error
 scheduling it. MFD is DFlash-family (see ``mfd_sglang.serving.algorithms``), so this is the one
 place where an unsupported request can be refused before it reaches the worker: the worker's
 verification applies the sampling law (temperature / top-k / top-p / min-p, sampling_seed), penalties,
-min_new_tokens, logit_bias and grammar masks at every tree node, and returns logprobs; a feature that
-changes the target's distribution otherwise (custom logit processors) would be ignored silently.
+min_new_tokens, logit_bias and grammar masks at every tree node, and returns logprobs and sampling
+masks; a feature that changes the target's distribution otherwise (custom logit processors) would be
+ignored silently.
 The wrapper only adds checks when the server runs MFD or MFD_D; other algorithms see the original.
 HookRegistry rebinds the scheduler's by-name import. Re-check the call site on SGLang upgrades.
 """
@@ -22,7 +23,6 @@ def unsupported_request_features(req) -> list[str]:
     """The names of the features `req` asks for that MFD does not support (empty when none)."""
     checks = [
         ("return_hidden_states", bool(getattr(req, "return_hidden_states", False))),
-        ("return_sampling_mask", bool(getattr(req, "return_sampling_mask", False))),
         ("custom_logit_processor", bool(getattr(req, "custom_logit_processor", None))),
         ("lora_path", getattr(req, "lora_id", None) is not None),
     ]
@@ -44,10 +44,6 @@ def validate_request_around(original, req, *args, **kwargs):
         return message
     unsupported = unsupported_request_features(req)
     if unsupported:
-        # The refused request still passes through one prefill before its abort is sent; with
-        # return_sampling_mask set, SGLang's result processing would finish it with its own 500
-        # (no sampling support captured) instead of this 400.
-        req.return_sampling_mask = False
         return ("MFD speculative decoding does not support " + ", ".join(unsupported)
                 + " in a request. Remove it from the request, or serve this model without "
                   "--speculative-algorithm MFD for such requests.")

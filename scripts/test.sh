@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1  # nothing is ever fetched from a model hub
-exec .venv/bin/python -m pytest tests -q "$@"
+exec .venv/bin/python -m pytest tests -q --durations=20 "$@"

@@ -221,7 +221,6 @@ def test_abort_mid_decode_ends_the_request_and_frees_its_memory(mfd_d_server, hf
 # one never reaches MFD's check.
 REFUSED_FEATURES = [
     ("return_hidden_states", {"return_hidden_states": True}, {}),
-    ("return_sampling_mask", {"return_sampling_mask": True}, {"top_k": 1}),  # top_k 1: SGLang's own check passes
     ("custom_logit_processor", {"custom_logit_processor": "DisallowedTokensLogitsProcessor"}, {}),
 ]
 REFUSED_AT_LAUNCH = {"lora_path"}

@@ -149,6 +149,48 @@ def test_sampled_logprobs_are_the_targets_for_the_tokens_emitted(plain_server, m
     assert_logprob_lists_close(meta["output_token_logprobs"], scored[1:], "T = 1 output logprobs")
 
 
+def sampling_masks(meta: dict) -> list[dict[int, float]]:
+    """One {token id: log-probability} per output token of a "support"-mode request: its sampling support."""
+    return [dict(zip(mask, lp)) for mask, lp in zip(meta["output_token_sampling_mask"],
+                                                     meta["output_token_sampling_logprobs"])]
+
+
+def test_sampling_masks_are_the_plain_servers_at_every_token(plain_server, mfd_server, prompt_ids):
+    """return_sampling_mask, T = 1 with top-k and top-p (support and selected modes) beside a greedy request:
+    each output token's support and log-probabilities are the plain server's for the same prefix (the plain
+    server draws one token after prompt + MFD's output so far, with the same settings)."""
+    sampled = {"temperature": 1.0, "top_k": 12, "top_p": 0.9, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    greedy = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    outs = post_json(mfd_server, "/generate", {
+        "input_ids": [prompt_ids] * 3, "sampling_params": [sampled, sampled, greedy],
+        "return_sampling_mask": True, "sampling_logprobs_mode": ["support", "selected", "support"]})
+    support_out, selected_out, greedy_out = outs
+    ids, masks = support_out["output_ids"], sampling_masks(support_out["meta_info"])
+    assert len(ids) == len(masks) == MAX_NEW
+    assert any(len(mask) > 1 for mask in masks), "every support is a single token: the case proves nothing"
+    plain = post_json(plain_server, "/generate", {
+        "input_ids": [prompt_ids + ids[:i] for i in range(MAX_NEW)],
+        "sampling_params": [{**sampled, "max_new_tokens": 1}] * MAX_NEW,
+        "return_sampling_mask": True, "sampling_logprobs_mode": "support"})
+    for i, (token, mask, reference) in enumerate(zip(ids, masks, plain)):
+        expected = sampling_masks(reference["meta_info"])[0]
+        assert token in mask and set(mask) == set(expected), f"token {i}"
+        assert [mask[t] for t in expected] == pytest.approx(list(expected.values()), abs=2e-4), f"token {i}"
+    # selected mode: the drawn token's log-probability under its (renormalised) support, one float per token.
+    sel_ids, sel_masks = selected_out["output_ids"], selected_out["meta_info"]["output_token_sampling_logprobs"]
+    sel_support = selected_out["meta_info"]["output_token_sampling_mask"]
+    assert len(sel_ids) == len(sel_masks) == MAX_NEW and all(t in s for t, s in zip(sel_ids, sel_support))
+    plain = post_json(plain_server, "/generate", {
+        "input_ids": [prompt_ids + sel_ids[:i] for i in range(MAX_NEW)],
+        "sampling_params": [{**sampled, "max_new_tokens": 1}] * MAX_NEW,
+        "return_sampling_mask": True, "sampling_logprobs_mode": "support"})
+    for i, (token, lp, reference) in enumerate(zip(sel_ids, sel_masks, plain)):
+        assert lp == pytest.approx(sampling_masks(reference["meta_info"])[0][token], abs=2e-4), f"token {i}"
+    # greedy: the token alone, log-probability 0, and the plain server's greedy output.
+    assert greedy_out["output_ids"] == plain_greedy(plain_server, prompt_ids)
+    assert sampling_masks(greedy_out["meta_info"]) == [{t: 0.0} for t in greedy_out["output_ids"]]
+
+
 def test_streamed_completion_logprobs_equal_the_plain_server(plain_server, mfd_server, prompt_ids):
     def streamed(server) -> list[tuple]:
         r = requests.post(server.base_url + "/v1/completions", json={

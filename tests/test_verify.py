@@ -9,7 +9,7 @@ import torch
 
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.verify import (Sampling, plain_law, random_seeds, sample_from_logits, stream_coins,
-                               verify_tree_greedy, verify_tree_sampling)
+                               sub_budget_accept_lens, verify_tree_greedy, verify_tree_sampling)
 
 
 def plain_walk(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
@@ -54,6 +54,46 @@ def test_greedy_matches_plain_walk() -> None:
         check_against_plain_walk(tree, target_logits.argmax(-1), result)
         accept_lens += result.accept_lens.tolist()
     assert min(accept_lens) == 1 and max(accept_lens) >= 4
+
+
+def path_logits(tree: DraftTree, vocab: int) -> torch.Tensor:
+    """Target logits [bs, N + 1, vocab] that depend only on each local node's path (the root's: on the
+    request), as a real target's do: the same node in any tree gets the same row."""
+    bs, budget = tree.tokens.shape
+    out = torch.empty(bs, budget + 1, vocab)
+    for b in range(bs):
+        paths = [(b,)]
+        for i in range(budget):
+            paths.append(paths[tree.parents[b, i].item() + 1] + (tree.tokens[b, i].item(),))
+        for j, path in enumerate(paths):
+            out[b, j] = 3 * torch.randn(vocab, generator=torch.Generator().manual_seed(hash(path) % 2**31))
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_sub_budget_accept_lens_equal_verifying_the_smaller_tree(sampled) -> None:
+    """What each smaller budget would have accepted, read off one round, equals building the tree of
+    that budget and verifying it against the same target (greedy, and sampled with the same seeds)."""
+    generator = torch.Generator().manual_seed(3)
+    budgets = torch.tensor([0, 1, 2, 3, 5, 8, 13, 21])
+    accepted = []
+    for seed in range(12):
+        bs, num_modes, depth, vocab = 3, 1 + seed % 4, 2 + seed % 4, 3 + seed % 3
+        logprobs = torch.randn(bs, num_modes, depth, vocab, generator=generator).log_softmax(-1)
+        settings = sampling(bs, 1.0, 0, 1.0, 0.0) if sampled else None
+        positions = torch.randint(0, 1000, (bs,), generator=generator)
+
+        def verify(budget: int):
+            tree = build_mixture_tree(logprobs, budget)
+            logits = path_logits(tree, vocab)
+            return (verify_tree_sampling(tree, logits, settings, positions) if sampled
+                    else verify_tree_greedy(tree, logits))
+
+        lens = sub_budget_accept_lens(verify(21), budgets)
+        expected = [torch.ones(bs, dtype=torch.long)] + [verify(int(b)).accept_lens for b in budgets[1:]]
+        assert torch.equal(lens, torch.stack(expected, dim=1)), seed
+        accepted += lens[:, -1].tolist()
+    assert max(accepted) >= 3  # deep paths were accepted: the prefix rule was exercised
 
 
 def hand_tree(bs: int) -> DraftTree:

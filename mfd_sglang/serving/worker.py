@@ -57,6 +57,7 @@ from .draft_context_pool import DraftContextPool
 from .memory import memory_plan
 from .options import budget_from_num_draft_tokens, read_options
 from .penalties import OutputPenalties, adjust_tree_logits, cumulate, output_penalties, path_token_counts
+from .sampling_mask import sampling_mask_output
 from .target_checks import check_target_runner
 
 logger = logging.getLogger(__name__)
@@ -232,6 +233,8 @@ class MFDWorkerV2(BaseSpecWorker):
         result.next_token_ids = self.sample_first(batch, logits)
         if batch.return_logprob:
             attach_logprobs(batch, result.logits_output, logits, result.next_token_ids, width=1)
+        result.logits_output.sampling_mask_output = sampling_mask_output(
+            batch.sampling_info, logits[:, None], result.next_token_ids[:, None], num_accept_tokens=None)
         hidden = result.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("MFD prefill got no target hidden states: the target model must support "
@@ -271,12 +274,15 @@ class MFDWorkerV2(BaseSpecWorker):
             grammar_mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,
                                                     device=logits.device, barrier=grammar_barrier)
         result, logits = self.accept(tree, layout, logits, batch, seq_lens, grammar_mask)
-        if batch.return_logprob:
+        if batch.return_logprob or batch.sampling_info.sampling_mask_batch_indices is not None:
             # The emitted tokens' rows in order: the root's (first token), then each accepted node's.
             path = committed_window_path(result, self.speculative_num_draft_tokens).clamp(min=0)
             rows = logits.gather(1, path[:, :, None].expand(-1, -1, logits.shape[-1]))
-            attach_logprobs(batch, output.logits_output, rows.flatten(0, 1), result.accepted_tokens.clamp(min=0),
-                            width=self.speculative_num_draft_tokens)
+            if batch.return_logprob:
+                attach_logprobs(batch, output.logits_output, rows.flatten(0, 1), result.accepted_tokens.clamp(min=0),
+                                width=self.speculative_num_draft_tokens)
+            output.logits_output.sampling_mask_output = sampling_mask_output(
+                batch.sampling_info, rows, result.accepted_tokens, num_accept_tokens=result.accept_lens)
         self.commit(verify_batch, result, output.logits_output.hidden_states, seq_lens)
         output.logits_output.hidden_states = None
 
