@@ -45,17 +45,21 @@ def tiny_prompts(tiny_pair) -> list[str]:
     return json.loads((tiny_pair / "prompts.json").read_text())
 
 
-def target_greedy(model, input_ids: list[int], max_new_tokens: int, eos: set[int] = frozenset()) -> list[int]:
-    """Plain autoregressive greedy decoding with a KV cache: the ground truth."""
+def target_greedy(model, input_ids: list[int], max_new_tokens: int, eos: set[int] = frozenset(),
+                  frequency_penalty: float = 0.0) -> list[int]:
+    """Plain autoregressive greedy decoding with a KV cache (each step's logits less frequency_penalty x
+    the count of each token output so far): the ground truth."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     ids = torch.tensor([input_ids])
     out: list[int] = []
+    counts = torch.zeros(model.config.vocab_size)
     with torch.inference_mode():
         while len(out) < max_new_tokens:
             logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
-            token = int(logits.argmax())
+            token = int((logits - frequency_penalty * counts).argmax())
+            counts[token] += 1
             out.append(token)
             if token in eos:
                 break

@@ -46,10 +46,10 @@ SERVERS = [
 
 def start_server(tmp_path_factory, tiny_pair, drafter: Path, algorithm: str, budget: int, *,
                  threshold: int | None = None, max_running: int = 4, log_level: str = "warning",
-                 extra_args: tuple[str, ...] = ()) -> ServerProcess:
+                 extra_args: tuple[str, ...] = (), extra_env: dict | None = None) -> ServerProcess:
     port = free_port()
     log = tmp_path_factory.mktemp("mfd_server") / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
     env.pop("MFD_SGLANG_SWITCH_THRESHOLD", None)
     if threshold is not None:

@@ -246,6 +246,7 @@ def test_make_multimodal_cli_tiny(tmp_path, capsys):
     report = json.loads(results.read_text())
     assert report["command"].startswith("python -m mfd_sglang make-multimodal") and report["date"]
     assert results.with_suffix(".md").read_text().strip() == table.strip()
+    assert results.with_suffix(".png").stat().st_size > 0 and (out / "report.png").stat().st_size > 0
     assert json.loads((out / "report.json").read_text())["results"] == report["results"]
     for t in ("0.0", "1.0"):
         for name in mm.SETS:

@@ -22,6 +22,7 @@ import json
 import pytest
 import requests
 
+from conftest import target_greedy
 from servers import generate_ids, post_json
 from test_mfd_server import served_without_leaks, start_server
 
@@ -104,6 +105,23 @@ def test_penalties_and_bias_equal_the_plain_server(plain_server, mfd_server, pro
     # All in one batch, with an unpenalised request beside them.
     plain_all = many(plain_server, prompt_ids, cases + [{}])
     assert many(mfd_server, prompt_ids, cases + [{}]) == plain_all
+
+
+def test_penalties_survive_retraction(tiny_pair, tmp_path_factory, hf_target, tiny_prompts):
+    """A request that SGLang retracts (KV pool full; forced every third forward with SGLANG_TEST_RETRACT)
+    and prefills again keeps its penalty counts: penalised greedy output equals the target's, while
+    SGLang 0.5.23's plain server forgets the counts there (its penalizers restart at zero)."""
+    model, tokenizer = hf_target
+    prompts = [tokenizer(text)["input_ids"] for text in tiny_prompts[:4]]
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 8, max_running=8,
+                       log_level="info", extra_env={"SGLANG_TEST_RETRACT": "1"})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(lambda ids: generate_ids(srv, ids, 40, frequency_penalty=1.5)[0], prompts))
+        assert "retract" in srv.log().lower(), "no request was retracted: the case proves nothing"
+    finally:
+        srv.stop()
+    assert outputs == [target_greedy(model, ids, 40, frequency_penalty=1.5) for ids in prompts]
 
 
 def logprob_request(server, ids: list[int], **extra) -> dict:

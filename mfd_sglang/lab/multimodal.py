@@ -683,8 +683,8 @@ def evaluate_universe(target, single, mfd, universe: Universe, prompts: dict, se
 
 
 def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool = True, log=print) -> dict:
-    """Build the universe's target and drafters in OUTDIR, evaluate them, write OUTDIR/report.json and
-    OUTDIR/report.md; returns the report. OUTDIR must be new or empty (nothing is overwritten)."""
+    """Build the universe's target and drafters in OUTDIR, evaluate them, write OUTDIR/report.json,
+    OUTDIR/report.md and OUTDIR/report.png (`plot_report`); returns the report. OUTDIR must be new or empty (nothing is overwritten)."""
     settings = settings or Settings()
     outdir = Path(outdir)
     if outdir.exists() and any(outdir.iterdir()):
@@ -775,6 +775,7 @@ def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool 
 
     (outdir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (outdir / "report.md").write_text(format_report(report) + "\n")
+    plot_report(report, outdir / "report.png")
     log(f"[make-multimodal] wrote {outdir} in {seconds['total']:.0f} s")
     return report
 
@@ -904,10 +905,44 @@ def _fmt(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
+def plot_report(report: dict, path) -> None:
+    """Whole generations, one column per (T, set): tau against the budget for DDTree, MFD and the best
+    tree (the ceiling), and below it the chimera share of DDTree's and MFD's trees."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [(t, name) for t in report["results"] for name in report["results"][t]]
+    fig, axes = plt.subplots(2, len(columns), figsize=(3.2 * len(columns), 5.5), squeeze=False)
+    for col, (t, name) in enumerate(columns):
+        block = report["results"][t][name]["generation"]
+        budgets = sorted(int(b) for b in block["ddtree"])
+        tau, share = axes[0][col], axes[1][col]
+        for method, label in (("ddtree", "DDTree"), ("mfd", "MFD")):
+            tau.plot(budgets, [block[method][str(b)]["tau"] for b in budgets], marker="o", label=label)
+            share.plot(budgets, [block[method][str(b)]["chimera_share"] for b in budgets], marker="o", label=label)
+        tau.plot(budgets, [block["ddtree"][str(b)]["ceiling_tau"] for b in budgets], "--", color="gray",
+                 label="best tree")
+        tau.set_title(f"T = {float(t):g}, {name} sequences", fontsize=9)
+        for ax in (tau, share):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.grid(alpha=0.3)
+        share.set_xlabel("tree budget B")
+    axes[0][0].set_ylabel("tau (tokens per round)")
+    axes[1][0].set_ylabel("chimera share of the tree")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=110)
+    plt.close(fig)
+
+
 def write_results(report: dict, path, command: str) -> None:
-    """The report as JSON at `path` (with the date and the command) and as Markdown next to it."""
+    """The report as JSON at `path` (with the date and the command), as Markdown and as a plot next to it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"date": dt.date.today().isoformat(), "command": command, **report}
     path.write_text(json.dumps(payload, indent=1) + "\n")
     path.with_suffix(".md").write_text(format_report(report) + "\n")
+    plot_report(report, path.with_suffix(".png"))

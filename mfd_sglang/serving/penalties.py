@@ -121,6 +121,19 @@ def adjust_tree_logits(logits: Tensor, state: OutputPenalties, depths: Tensor,
     return logits
 
 
+def count_resumed_output(state: OutputPenalties, reqs, device) -> None:
+    """Count the output each request already has when it is prefilled again, after SGLang retracted it
+    to free KV slots. SGLang 0.5.23's penalizers start from zero for every new batch and never read
+    req.output_ids, so its plain server forgets those counts (penalised output changes when the KV pool
+    runs full); MFD counts them, as the plain law without retraction does."""
+    outputs = [list(req.output_ids) for req in reqs]
+    if not any(outputs):
+        return
+    width = max(len(o) for o in outputs)
+    tokens = torch.tensor([o + [-1] * (width - len(o)) for o in outputs]).to(device, non_blocking=True)
+    cumulate(state, tokens, torch.tensor([len(o) for o in outputs]).to(device, non_blocking=True))
+
+
 def cumulate(state: OutputPenalties, tokens: Tensor, lengths: Tensor) -> None:
     """Count the first lengths[b] of tokens [bs, W] (a round's committed output, -1 past it) as
     output, in place in the state's tensors (SGLang's penalizers)."""

@@ -56,7 +56,8 @@ from .commit import commit_round, committed_window_path
 from .draft_context_pool import DraftContextPool
 from .memory import memory_plan
 from .options import budget_from_num_draft_tokens, read_options
-from .penalties import OutputPenalties, adjust_tree_logits, cumulate, output_penalties, path_token_counts
+from .penalties import (OutputPenalties, adjust_tree_logits, count_resumed_output, cumulate, output_penalties,
+                        path_token_counts)
 from .sampling_mask import sampling_mask_output
 from .target_checks import check_target_runner
 
@@ -224,7 +225,8 @@ class MFDWorkerV2(BaseSpecWorker):
                                                              capture_hidden_mode=CaptureHiddenMode.FULL)
         logits = result.logits_output.next_token_logits.float()
         penalties = output_penalties(batch.sampling_info)
-        if penalties is not None:  # nothing output yet: logit_bias and min_new_tokens' stop tokens
+        if penalties is not None:  # the output so far: none, or a retracted request's
+            count_resumed_output(penalties, batch.reqs, logits.device)
             adjust_tree_logits(logits[:, None, :], penalties, torch.zeros_like(logits[:, :1], dtype=torch.int64))
         if batch.has_grammar:  # the grammars' masks at their start state (SGLang's own prefill mask)
             batch.sampling_info.update_regex_vocab_mask()
