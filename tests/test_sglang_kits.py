@@ -5,19 +5,22 @@ the plain server are marked as expected failures there (`PLAIN_FAILS`, each with
 either way shows.
 
 Scaled for 2 CPU cores, sizes only (every assertion is the kit's own):
-- generated lengths in the speculative kits and their fixture helpers are capped at `MAX_NEW_TOKENS`
-  (they ask up to 1024; the matched-stop kit keeps its 1000, its stops end the output early);
+- generated lengths are capped at `MAX_NEW_TOKENS` in the speculative kits (they ask up to 1024) and at
+  `HELPER_MAX_NEW_TOKENS` in the fixture's send_request / run_decode (the abort and penalty kits, which
+  check the status only); the matched-stop kit keeps its 1000, its stops end the output early;
 - the logprob sweep's prompt lengths and start positions are divided by `LOGPROB_SWEEP_DIVISOR`
-  (200 .. 2000 tokens become 20 .. 200);
+  (200 .. 2000 tokens become 10 .. 100);
 - the radix-cache tree has `RADIX_NODES` nodes of up to `RADIX_CHUNK` tokens (400 of 256 in the kit);
-- abort-all's requests ask 4000 tokens (16000 in the kit, beyond SmolLM2's context of 8192).
+- abort-all's requests ask 4000 tokens (16000 in the kit, beyond SmolLM2's context of 8192);
+- the scheduler-stress kit's 8k-token prompt (a minute of prefill here; it cannot be scaled from outside)
+  runs only with MFD_SGLANG_ALL_KITS=1.
 Acceptance-length thresholds (`acc_length_thres`, `batch_accept_len_thres`) are meant for large GPU
 drafters (3.1, 1.75); here they are set below what the shipped drafter reaches on the kit's prompts (raw
 text, while the drafter was trained on chat-templated answers): measured 1.23 (MFD) and 1.25 (MFD_D) for
 one request, 1.48 (MFD) for the batch of four.
 
-The test suite runs the kits on MFD_D (about 7 minutes on 2 cores); MFD_SGLANG_ALL_KITS=1 adds the plain
-server and MFD (about 12 minutes more).
+The test suite runs the kits on MFD_D (about 5 minutes on 2 cores); MFD_SGLANG_ALL_KITS=1 adds the plain
+server and MFD (about 12 minutes more) and the 8k-token prompt.
 """
 
 from __future__ import annotations
@@ -49,24 +52,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRAFTER = os.path.join(REPO, "drafters", "smollm2-135m", "mfd")
 BUDGET = 16
 MAX_NEW_TOKENS = 64
-LOGPROB_SWEEP_DIVISOR = 10
-RADIX_NODES, RADIX_CHUNK = 40, 32
+HELPER_MAX_NEW_TOKENS = 32  # the fixture's send_request / run_decode: their kits only check the status
+LOGPROB_SWEEP_DIVISOR = 20
+RADIX_NODES, RADIX_CHUNK = 24, 16
+ALL_KITS = os.environ.get("MFD_SGLANG_ALL_KITS") == "1"
 
 
 class _CappedRequests:
-    """`requests` as the speculative kits see it: a POST generates at most MAX_NEW_TOKENS tokens (an OpenAI
-    request without max_tokens too: it would run to the context length)."""
+    """`requests` as a kit module sees it: a POST generates at most `cap` tokens (an OpenAI chat request
+    without max_tokens too: it would run to the context length)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
 
     def __getattr__(self, name):
         return getattr(requests, name)
 
-    @staticmethod
-    def post(url, json=None, **kwargs):
+    def post(self, url, json=None, **kwargs):
         for params in _sampling_params(json):
-            if params.get("max_new_tokens", 0) > MAX_NEW_TOKENS:
-                params["max_new_tokens"] = MAX_NEW_TOKENS
-        if url.endswith("/v1/chat/completions") and (json.get("max_tokens") or MAX_NEW_TOKENS + 1) > MAX_NEW_TOKENS:
-            json["max_tokens"] = MAX_NEW_TOKENS
+            if params.get("max_new_tokens", 0) > self.cap:
+                params["max_new_tokens"] = self.cap
+        if url.endswith("/v1/chat/completions") and (json.get("max_tokens") or self.cap + 1) > self.cap:
+            json["max_tokens"] = self.cap
         return requests.post(url, json=json, **kwargs)
 
 
@@ -98,8 +105,8 @@ class KitServer(SpecEagleServerBase):
         cls.target_model = cls.model
         cls._tokenizer = None
         cls._patches = [
-            mock.patch.object(spec_server_kits, "requests", _CappedRequests()),
-            mock.patch.object(spec_eagle_fixture, "requests", _CappedRequests()),
+            mock.patch.object(spec_server_kits, "requests", _CappedRequests(MAX_NEW_TOKENS)),
+            mock.patch.object(spec_eagle_fixture, "requests", _CappedRequests(HELPER_MAX_NEW_TOKENS)),
             mock.patch.object(spec_server_kits, "run_logprob_check",
                               functools.partial(_scaled_logprob_check, spec_server_kits.run_logprob_check)),
             mock.patch.object(radix_cache_server_kit, "gen_radix_tree",
@@ -157,7 +164,7 @@ def expecting_failure(cls, names) -> None:
 
 
 only_with_all_kits = unittest.skipUnless(
-    os.environ.get("MFD_SGLANG_ALL_KITS") == "1",
+    ALL_KITS,
     "the test suite runs the kits on MFD_D (both drafting paths: K modes for a request alone, the single "
     "mode when batched); MFD_SGLANG_ALL_KITS=1 adds the plain server and MFD (about 12 minutes more)")
 
@@ -174,6 +181,10 @@ class TestMFDServerKits(KitServer, *KITS):
 
 class TestMFDDServerKits(KitServer, *KITS):
     algorithm = "MFD_D"
+
+    @unittest.skipUnless(ALL_KITS, "an 8k-token prefill, about a minute on 2 cores: with MFD_SGLANG_ALL_KITS=1")
+    def test_long_prompt(self):
+        BasicSchedulerStressMixin.test_long_prompt(self)
 
 
 expecting_failure(TestPlainServerKits, PLAIN_FAILS.keys() | SPECULATIVE_ONLY)
