@@ -24,7 +24,7 @@ import requests
 
 from conftest import target_greedy
 from servers import generate_ids, post_json
-from test_mfd_server import served_without_leaks, start_server
+from test_mfd_server import assert_healthy_without_leaks, served_without_leaks, start_server
 
 MAX_NEW = 24
 # (name, sampling params): each changes this prompt's plain greedy output (checked).
@@ -119,6 +119,7 @@ def test_penalties_survive_retraction(tiny_pair, tmp_path_factory, hf_target, ti
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(lambda ids: generate_ids(srv, ids, 40, frequency_penalty=1.5)[0], prompts))
         assert "retract" in srv.log().lower(), "no request was retracted: the case proves nothing"
+        assert_healthy_without_leaks(srv)  # retraction frees KV and takes it again: nothing may leak
     finally:
         srv.stop()
     assert outputs == [target_greedy(model, ids, 40, frequency_penalty=1.5) for ids in prompts]
