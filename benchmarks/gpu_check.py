@@ -9,6 +9,8 @@ Sections, in this order (the most important results first; each reports what it 
             and no host sync inside the kernel launch (CUDA sync debug mode "error")
   attention fused mode-attention kernel vs the torch reference (gather + masked SDPA, the generic
             path), fp32 and bf16, max abs error
+  sync      the eager accept stage (greedy and T > 0 tree verification) and chunked draft scoring
+            run without a host sync (CUDA sync debug mode "error"), as overlap scheduling needs
   tree_mask every attention backend MFD allows applies the tree mask of a top-k 1 verify, eagerly and
             replayed from a CUDA graph (benchmarks/tree_mask_check.py); the first section of the server part
   servers   real SGLang servers (plain, MFD K = 8 B = 64, MFD_D) on a random Qwen3-4B-width target,
@@ -105,6 +107,56 @@ def check_tree_kernel(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def check_accept_without_sync(device: str, quick: bool) -> list[dict]:
+    """The accept stage outside the draft / verify CUDA graphs (the worker's eager glue under overlap
+    scheduling): greedy and T > 0 tree verification (top-k with and without SGLang's max_top_k bound,
+    top-p, min-p, seeds) and the draft scoring in vocabulary chunks, each under CUDA sync debug mode
+    "error": a host sync there would stall the scheduler's overlap."""
+    from mfd_sglang.drafter import vocab_candidates
+    from mfd_sglang.verify import Sampling, random_seeds, verify_tree_greedy, verify_tree_sampling
+
+    bs, k, d, v, budget = (2, 2, 3, 50, 8) if quick else (16, 8, 15, 151936, 64)
+    gen = torch.Generator(device=device).manual_seed(0)
+    tree = build_mixture_tree(random_logprobs((bs, k, d, v), device, torch.float32, seed=7), budget,
+                              backend="triton" if device.startswith("cuda") else "torch")
+    logits = torch.randn(bs, budget + 1, v, device=device, generator=gen)
+    hidden = torch.randn(bs, k, d, 64, device=device, generator=gen)
+    head = torch.randn(v, 64, device=device, generator=gen)
+
+    def sampling(max_top_k):
+        return Sampling(torch.full((bs,), 0.8, device=device), torch.full((bs,), 20, device=device),
+                        torch.full((bs,), 0.9, device=device), torch.full((bs,), 0.05, device=device),
+                        random_seeds(bs, device), max_top_k)
+
+    cases = {"greedy": lambda: verify_tree_greedy(tree, logits),
+             "sampling, max_top_k bound": lambda: verify_tree_sampling(tree, logits, sampling(20), positions),
+             "sampling, full sort (seeded)": lambda: verify_tree_sampling(tree, logits, sampling(None), positions),
+             "draft scoring in vocabulary chunks": lambda: vocab_candidates(hidden, head, budget)}
+    positions = torch.arange(bs, device=device) + 100
+    on_cuda = device.startswith("cuda")
+    rows = []
+    for name, run in cases.items():
+        row = {"case": name}
+        try:
+            if on_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                run()
+            finally:
+                if on_cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+            if on_cuda:
+                row["sync_free"] = True  # sync debug mode "error" raises on the first host sync
+            else:
+                row["skipped"] = "host syncs exist on CUDA only (ran, unchecked)"
+        except Exception as exc:
+            row["sync_free"] = False
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    return rows
+
+
 def time_tree_build(device: str, quick: bool) -> list[dict]:
     grid = itertools.product((1, 4, 16), (16, 32, 64, 128), (32768, 65536, 151936))
     if quick:
@@ -185,7 +237,7 @@ def check_servers(device: str, quick: bool) -> list[dict]:
 
 # Per section: the row field that must be true. Rows of every section fail on an `error` field and
 # count as skipped on a `skipped` field.
-CORRECTNESS = {"tree": "identical", "attention": "ok", "tree_mask": "ok", "servers": "ok",
+CORRECTNESS = {"tree": "identical", "attention": "ok", "sync": "sync_free", "tree_mask": "ok", "servers": "ok",
                "round_cost": "graph_equals_eager"}
 
 
@@ -245,6 +297,9 @@ def print_table(report: dict) -> None:
             print("  MISMATCH", r)
     for r in report.get("attention_time", []):
         print(f"  bs {r['bs']:>2}: torch {r['torch_ms']} ms, triton {r['triton_ms']} ms, {r['speedup']}x")
+    for r in report.get("sync", []):
+        verdict = "no host sync" if r.get("sync_free") else r.get("skipped") or f"HOST SYNC: {r.get('error')}"
+        print(f"accept stage without host sync, {r['case']}: {verdict}")
     if report.get("round_cost"):
         print_round_cost(report["round_cost"])
     if report.get("tree_mask"):
@@ -310,7 +365,8 @@ def main() -> None:
 
 # The order they run in: kernel exactness, then the server part (tree masks first, then real servers),
 # then costs and timings.
-SECTIONS = {"tree": check_tree_kernel, "attention": check_mode_attention, "tree_mask": check_tree_masks,
+SECTIONS = {"tree": check_tree_kernel, "attention": check_mode_attention, "sync": check_accept_without_sync,
+            "tree_mask": check_tree_masks,
             "servers": check_servers, "round_cost": round_cost_section, "tree_time": time_tree_build,
             "attention_time": time_mode_attention}
 

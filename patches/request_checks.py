@@ -38,16 +38,14 @@ def running_mfd() -> bool:
 
 
 def validate_request_around(original, req, *args, **kwargs):
-    """AROUND hook: the original's verdict, then MFD's own."""
-    message = original(req, *args, **kwargs)
-    if message is not None or not running_mfd():
-        return message
-    unsupported = unsupported_request_features(req)
+    """AROUND hook: MFD's verdict first (the original names DFLASH in its messages, e.g. for hidden
+    states under overlap scheduling), then the original's."""
+    unsupported = unsupported_request_features(req) if running_mfd() else []
     if unsupported:
         return ("MFD speculative decoding does not support " + ", ".join(unsupported)
                 + " in a request. Remove it from the request, or serve this model without "
                   "--speculative-algorithm MFD for such requests.")
-    return None
+    return original(req, *args, **kwargs)
 
 
 def install() -> None:

@@ -33,14 +33,15 @@ from test_verify import TOP_K_ALL, reference_sample
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
 
-# (algorithm, tree budget B, drafter: "mfd" (K = 4) or "dflash" (K = 1), MFD_D switch threshold)
+# (algorithm, tree budget B, drafter: "mfd" (K = 4) or "dflash" (K = 1), MFD_D switch threshold,
+# overlap scheduling: SGLang's default, as on a GPU; two servers run the synchronous V2 path instead)
 SERVERS = [
-    ("MFD", 1, "mfd", None),
-    ("MFD", 8, "mfd", None),
-    ("MFD", 32, "mfd", None),
-    ("MFD", 8, "dflash", None),  # a plain DFlash drafter: K = 1, i.e. DDTree
-    ("MFD_D", 1, "mfd", 1),  # threshold 1: the single-mode path in every round
-    ("MFD_D", 32, "mfd", 1),
+    ("MFD", 1, "mfd", None, True),
+    ("MFD", 8, "mfd", None, True),
+    ("MFD", 32, "mfd", None, True),
+    ("MFD", 8, "dflash", None, False),  # a plain DFlash drafter: K = 1, i.e. DDTree
+    ("MFD_D", 1, "mfd", 1, False),  # threshold 1: the single-mode path in every round
+    ("MFD_D", 32, "mfd", 1, True),
 ]
 
 
@@ -77,11 +78,14 @@ def served_without_leaks(server: ServerProcess):
         server.stop()
 
 
-@pytest.fixture(scope="module", params=SERVERS, ids=lambda p: f"{p[0]}-B{p[1]}-{p[2]}")
+@pytest.fixture(scope="module", params=SERVERS,
+                ids=lambda p: f"{p[0]}-B{p[1]}-{p[2]}-{'overlap' if p[4] else 'sync'}")
 def server(request, tiny_pair, tiny_dflash_drafter, tmp_path_factory):
-    algorithm, budget, drafter, threshold = request.param
+    algorithm, budget, drafter, threshold, overlap = request.param
     path = tiny_pair / "drafter" if drafter == "mfd" else tiny_dflash_drafter
-    srv = start_server(tmp_path_factory, tiny_pair, path, algorithm, budget, threshold=threshold)
+    srv = start_server(tmp_path_factory, tiny_pair, path, algorithm, budget, threshold=threshold,
+                       extra_args=() if overlap else ("--disable-overlap-schedule",))
+    srv.overlap = overlap
     # What the reference engine needs to run the same rounds: with one request in flight MFD_D takes
     # its single-mode path when the threshold is 1.
     srv.spec = SimpleNamespace(budget=budget, drafter=path, single_mode=algorithm == "MFD_D" and threshold == 1)
@@ -105,6 +109,12 @@ def reference_target(tiny_pair):
 
 
 # --- exactness ------------------------------------------------------------------------------------
+def test_overlap_scheduling_as_launched(server):
+    """The scheduler runs the flow the exactness tests below claim: overlap on unless disabled."""
+    info = requests.get(server.base_url + "/server_info", timeout=60).json()
+    assert info["disable_overlap_schedule"] is (not server.overlap), info["disable_overlap_schedule"]
+
+
 def test_generate_equals_greedy(server, hf_target, tiny_prompts):
     model, tok = hf_target
     for text in tiny_prompts[:3]:

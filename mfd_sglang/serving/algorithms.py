@@ -92,10 +92,9 @@ def resolve_server_args(server_args) -> None:
     server_args.speculative_eagle_topk = 1
     server_args.enable_mixed_chunk = False
     disable_splitkv_verify()
-    if str(server_args.device) == "cpu":
-        # Overlap scheduling needs a second device stream; SGLang disables it for every
-        # speculative algorithm on CPU.
-        server_args.disable_overlap_schedule = True
+    # Overlap scheduling follows SGLang's flag on every device. SGLang turns it off for its own
+    # speculative algorithms on CPU; MFD's worker keeps the V2 contract (no host sync, on_publish,
+    # inputs kept alive), so a CPU server runs the same scheduler flow as a GPU one by default.
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 48
     resolve_attention_backend(server_args)

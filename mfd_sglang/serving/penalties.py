@@ -130,8 +130,10 @@ def count_resumed_output(state: OutputPenalties, reqs, device) -> None:
     if not any(outputs):
         return
     width = max(len(o) for o in outputs)
-    tokens = torch.tensor([o + [-1] * (width - len(o)) for o in outputs]).to(device, non_blocking=True)
-    cumulate(state, tokens, torch.tensor([len(o) for o in outputs]).to(device, non_blocking=True))
+    from sglang.srt.utils import async_h2d  # sglang only where a server runs: the unit tests stay light
+
+    tokens = async_h2d([o + [-1] * (width - len(o)) for o in outputs], dtype=torch.int64, device=device)
+    cumulate(state, tokens, async_h2d([len(o) for o in outputs], dtype=torch.int64, device=device))
 
 
 def cumulate(state: OutputPenalties, tokens: Tensor, lengths: Tensor) -> None:

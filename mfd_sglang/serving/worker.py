@@ -42,6 +42,7 @@ from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 from sglang.srt.speculative.spec_utils import (GrammarTree, build_grammar_vocab_mask,
                                                 move_accept_tokens_to_target_kvcache)
+from sglang.srt.utils import async_h2d
 
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
@@ -83,10 +84,10 @@ def request_sampling(batch) -> Sampling:
         given = [r.sampling_params.sampling_seed for r in batch.reqs]
         seeds = random_seeds(len(given), device)
         seeded = any(s is not None for s in given)
-        if seeded:  # non_blocking: no host sync on a device
-            mask = torch.tensor([s is not None for s in given]).to(device, non_blocking=True)
-            values = torch.tensor([0 if s is None else s for s in given], dtype=torch.int64)
-            seeds = torch.where(mask, values.to(device, non_blocking=True), seeds)
+        if seeded:  # staged in pinned memory: no host sync on a device
+            mask = async_h2d([s is not None for s in given], dtype=torch.bool, device=device)
+            values = async_h2d([0 if s is None else s for s in given], dtype=torch.int64, device=device)
+            seeds = torch.where(mask, values, seeds)
     # Seeded requests get the full sort, whose order does not depend on the batch (Sampling.max_top_k).
     return Sampling(info.temperatures.reshape(-1).float(), info.top_ks.reshape(-1), info.top_ps.reshape(-1).float(),
                     info.min_ps.reshape(-1).float(), seeds, None if seeded else info.max_top_k)
@@ -223,6 +224,9 @@ class MFDWorkerV2(BaseSpecWorker):
         # so one law and one seeded stream cover every token of a request.
         result = self.target_worker.forward_batch_generation(batch, is_verify=True,
                                                              capture_hidden_mode=CaptureHiddenMode.FULL)
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:  # the lengths are known: the scheduler may prepare the next batch
+            on_publish(result.new_seq_lens)
         logits = result.logits_output.next_token_logits.float()
         penalties = output_penalties(batch.sampling_info)
         if penalties is not None:  # the output so far: none, or a retracted request's
@@ -241,23 +245,24 @@ class MFDWorkerV2(BaseSpecWorker):
         if hidden is None:
             raise RuntimeError("MFD prefill got no target hidden states: the target model must support "
                                "DFlash layer capture (set_dflash_layers_to_capture).")
-        device = hidden.device
-        extend_lens = torch.tensor(batch.extend_lens, device=device)
-        prefix_lens = torch.tensor(batch.prefix_lens, device=device)
-        starts = torch.repeat_interleave(prefix_lens - (extend_lens.cumsum(0) - extend_lens), extend_lens)
-        positions = starts + torch.arange(hidden.shape[0], device=device)
+        # Host lists staged in pinned memory and a known output size: no host sync (overlap scheduling).
+        device, num_tokens = hidden.device, hidden.shape[0]
+        extend_lens = async_h2d(batch.extend_lens, dtype=torch.int64, device=device)
+        prefix_lens = async_h2d(batch.prefix_lens, dtype=torch.int64, device=device)
+        starts = torch.repeat_interleave(prefix_lens - (extend_lens.cumsum(0) - extend_lens), extend_lens,
+                                         output_size=num_tokens)
+        positions = starts + torch.arange(num_tokens, device=device)
         self.context_pool.write(self.drafter, hidden, positions, batch.out_cache_loc)
         result.logits_output.hidden_states = None  # keep it off the result's CPU copy
-        result.new_seq_lens = batch.seq_lens
         result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids,
                                                       new_seq_lens=batch.seq_lens)
-        if on_publish is not None:
-            on_publish(result.new_seq_lens)
         return result
 
     def forward_decode(self, batch, on_publish, grammar_barrier=None):
         draft_input = batch.spec_info
         seq_lens = batch.seq_lens
+        if seq_lens.is_cuda:  # gathered on the schedule stream (overlap): keep it alive on this one
+            seq_lens.record_stream(torch.cuda.current_stream(seq_lens.device))
         roots = draft_input.bonus_tokens.reshape(-1).long()
         single_mode = self.switch_threshold is not None and len(batch.reqs) >= self.switch_threshold
         if single_mode != self.single_mode:
@@ -276,6 +281,10 @@ class MFDWorkerV2(BaseSpecWorker):
             grammar_mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,
                                                     device=logits.device, barrier=grammar_barrier)
         result, logits = self.accept(tree, layout, logits, batch, seq_lens, grammar_mask)
+        accept_lens = result.accept_lens.to(torch.int32)
+        new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
+        if on_publish is not None:  # the lengths are known: the scheduler may prepare the next batch
+            on_publish(new_seq_lens)
         if batch.return_logprob or batch.sampling_info.sampling_mask_batch_indices is not None:
             # The emitted tokens' rows in order: the root's (first token), then each accepted node's.
             path = committed_window_path(result, self.speculative_num_draft_tokens).clamp(min=0)
@@ -287,11 +296,6 @@ class MFDWorkerV2(BaseSpecWorker):
                 batch.sampling_info, rows, result.accepted_tokens, num_accept_tokens=result.accept_lens)
         self.commit(verify_batch, result, output.logits_output.hidden_states, seq_lens)
         output.logits_output.hidden_states = None
-
-        accept_lens = result.accept_lens.to(torch.int32)
-        new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
-        if on_publish is not None:
-            on_publish(new_seq_lens)
         return GenerationBatchResult(
             logits_output=output.logits_output,
             next_token_ids=result.accepted_tokens.clamp(min=0).reshape(-1),
