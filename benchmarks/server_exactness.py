@@ -5,8 +5,8 @@ several requests are verified).
     python benchmarks/gpu_check.py --only servers                      # on a GPU (SGLang from the device kit)
     python benchmarks/gpu_check.py --only servers --quick --device cpu # tiny shapes, fp32, the CPU launcher
 
-On a GPU the matrix is {fp32, bf16} x {CUDA graphs + overlap scheduling on, graphs off}, each with a
-plain, an MFD (K = 8, B = 64) and an MFD_D server; the servers of one graph setting start together
+On a GPU the matrix is {fp32, bf16} x {CUDA graphs + overlap scheduling on, graphs off}, plus fp32 with
+graphs, overlap and KV pages of 16 tokens, each with a plain, an MFD (K = 8, B = 64) and an MFD_D server; the servers of one graph setting start together
 (one H200 holds them all; start-up dominates the time). On a CPU: fp32 only, eager, one at a time.
 The target is written as a Hugging Face Qwen3 checkpoint (random weights, the width of Qwen3-4B,
 fewer layers: exactness does not depend on depth, start-up time does) with a random K = 8 drafter;
@@ -67,10 +67,11 @@ class ServerConfig:
     cuda_graphs: bool  # on a GPU: graphs and overlap scheduling on together, or both off
     attention: str | None
     attention_note: str
+    page_size: int = 1
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}-{'graphs' if self.cuda_graphs else 'eager'}"
+        return f"{self.dtype}-{'graphs' if self.cuda_graphs else 'eager'}-page{self.page_size}"
 
 
 def attention_choice(dtype: str) -> tuple[str, str]:
@@ -85,8 +86,12 @@ def attention_choice(dtype: str) -> tuple[str, str]:
 def server_configs(device: str) -> list[ServerConfig]:
     if device == "cpu":  # the CPU launcher's defaults: mfd_cpu attention, no graphs, no overlap
         return [ServerConfig("float32", False, None, "CPU launcher default (mfd_cpu)")]
-    return [ServerConfig(dtype, graphs, *attention_choice(dtype))
-            for graphs in (True, False) for dtype in ("float32", "bfloat16")]
+    # Pages of 16 tokens once, with graphs and overlap: verify windows, accepted-KV moves and the
+    # graphs' buffers across page boundaries, exact in fp32. The servers start in this order.
+    graphs = [ServerConfig(dtype, True, *attention_choice(dtype)) for dtype in ("float32", "bfloat16")]
+    paged = ServerConfig("float32", True, *attention_choice("float32"), page_size=16)
+    eager = [ServerConfig(dtype, False, *attention_choice(dtype)) for dtype in ("float32", "bfloat16")]
+    return [*graphs, paged, *eager]
 
 
 def standin_env() -> dict:
@@ -114,6 +119,8 @@ def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, promp
             extra += ["--disable-cuda-graph", "--disable-overlap-schedule"]
     if config.attention is not None:  # the same kernels for every server: exactness compares like with like
         extra += ["--attention-backend", config.attention]
+    if config.page_size != 1:
+        extra += ["--page-size", str(config.page_size)]
     cmd = launch_command(target, port=port, algorithm=algorithm, drafter=drafter, budget=budget, device=device,
                          dtype=config.dtype, extra_args=extra)
     log = logdir / f"{algorithm or 'plain'}-{config.name}.log"
@@ -133,7 +140,7 @@ def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, promp
 def compare(name: str, config: ServerConfig, spec: dict, plain: dict, budget: int, prompts: list[list[int]],
             max_new_tokens: int) -> dict:
     row = {"server": name, "dtype": config.dtype, "cuda_graphs": config.cuda_graphs,
-           "overlap": config.cuda_graphs, "attention": config.attention or "default",
+           "overlap": config.cuda_graphs, "page_size": config.page_size, "attention": config.attention or "default",
            "attention_note": config.attention_note, "B": budget, "prompts": len(prompts),
            "max_new_tokens": max_new_tokens, "exact_required": config.dtype == "float32"}
     errors = [f"{who}: {r['error']}" for who, r in ((name, spec), ("plain", plain)) if "error" in r]
@@ -182,7 +189,7 @@ def print_server_rows(rows: list[dict]) -> None:
     print("\nSGLang servers vs the same server without speculation (greedy token ids)")
     for r in rows:
         mode = "graphs+overlap" if r["cuda_graphs"] else "eager"
-        head = f"  {r['server']:>6} {r['dtype']:>8} {mode:>14} {r['attention']} B={r['B']}:"
+        head = f"  {r['server']:>6} {r['dtype']:>8} {mode:>14} page {r.get('page_size', 1):>2} {r['attention']} B={r['B']}:"
         if "error" in r:
             print(f"{head} ERROR {r['error'].strip().splitlines()[0]}")
             continue

@@ -141,6 +141,7 @@ def test_server_section_names_its_attention_backend(dtype, want):
     if want is not None:
         assert backend == want
     configs = server_configs("cuda")
-    assert [(c.dtype, c.cuda_graphs) for c in configs] == [
-        ("float32", True), ("bfloat16", True), ("float32", False), ("bfloat16", False)]
+    assert [(c.dtype, c.cuda_graphs, c.page_size) for c in configs] == [
+        ("float32", True, 1), ("bfloat16", True, 1), ("float32", True, 16), ("float32", False, 1),
+        ("bfloat16", False, 1)]
     assert [c.dtype for c in server_configs("cpu")] == ["float32"]

@@ -517,10 +517,6 @@ def test_refusals():
     capped = RadixAttention(4, 16, 0.25, 2, layer_id=0, logit_cap=30.0)
     with pytest.raises(NotImplementedError, match="soft-capping"):
         be.forward(q, k, v, capped, fb)
-    bad = types.SimpleNamespace(**vars(env.runner))
-    bad.page_size = 16
-    with pytest.raises(ValueError, match="page_size"):
-        CpuSdpaAttnBackend(bad)
     # IDLE gives an empty output
     idle = _fb(ForwardMode.IDLE, [], [], torch.zeros(0, dtype=torch.int64), 0)
     be.init_forward_metadata(idle)

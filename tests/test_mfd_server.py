@@ -34,14 +34,15 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
 
 # (algorithm, tree budget B, drafter: "mfd" (K = 4) or "dflash" (K = 1), MFD_D switch threshold,
-# overlap scheduling: SGLang's default, as on a GPU; two servers run the synchronous V2 path instead)
+# overlap scheduling: SGLang's default, as on a GPU; two servers run the synchronous V2 path instead,
+# KV page size: 1, or pages of 4 / 16 tokens, across which verify windows and accepted paths fall)
 SERVERS = [
-    ("MFD", 1, "mfd", None, True),
-    ("MFD", 8, "mfd", None, True),
-    ("MFD", 32, "mfd", None, True),
-    ("MFD", 8, "dflash", None, False),  # a plain DFlash drafter: K = 1, i.e. DDTree
-    ("MFD_D", 1, "mfd", 1, False),  # threshold 1: the single-mode path in every round
-    ("MFD_D", 32, "mfd", 1, True),
+    ("MFD", 1, "mfd", None, True, 1),
+    ("MFD", 8, "mfd", None, True, 1),
+    ("MFD", 32, "mfd", None, True, 4),
+    ("MFD", 8, "dflash", None, False, 1),  # a plain DFlash drafter: K = 1, i.e. DDTree
+    ("MFD_D", 1, "mfd", 1, False, 1),  # threshold 1: the single-mode path in every round
+    ("MFD_D", 32, "mfd", 1, True, 16),
 ]
 
 
@@ -79,13 +80,13 @@ def served_without_leaks(server: ServerProcess):
 
 
 @pytest.fixture(scope="module", params=SERVERS,
-                ids=lambda p: f"{p[0]}-B{p[1]}-{p[2]}-{'overlap' if p[4] else 'sync'}")
+                ids=lambda p: f"{p[0]}-B{p[1]}-{p[2]}-{'overlap' if p[4] else 'sync'}-page{p[5]}")
 def server(request, tiny_pair, tiny_dflash_drafter, tmp_path_factory):
-    algorithm, budget, drafter, threshold, overlap = request.param
+    algorithm, budget, drafter, threshold, overlap, page_size = request.param
     path = tiny_pair / "drafter" if drafter == "mfd" else tiny_dflash_drafter
     srv = start_server(tmp_path_factory, tiny_pair, path, algorithm, budget, threshold=threshold,
-                       extra_args=() if overlap else ("--disable-overlap-schedule",))
-    srv.overlap = overlap
+                       extra_args=("--page-size", str(page_size), *(() if overlap else ("--disable-overlap-schedule",))))
+    srv.overlap, srv.page_size = overlap, page_size
     # What the reference engine needs to run the same rounds: with one request in flight MFD_D takes
     # its single-mode path when the threshold is 1.
     srv.spec = SimpleNamespace(budget=budget, drafter=path, single_mode=algorithm == "MFD_D" and threshold == 1)
@@ -109,10 +110,12 @@ def reference_target(tiny_pair):
 
 
 # --- exactness ------------------------------------------------------------------------------------
-def test_overlap_scheduling_as_launched(server):
-    """The scheduler runs the flow the exactness tests below claim: overlap on unless disabled."""
+def test_server_runs_as_launched(server):
+    """The scheduler runs what the exactness tests below claim: overlap on unless disabled, and the
+    page size asked for."""
     info = requests.get(server.base_url + "/server_info", timeout=60).json()
     assert info["disable_overlap_schedule"] is (not server.overlap), info["disable_overlap_schedule"]
+    assert info["page_size"] == server.page_size
 
 
 def test_generate_equals_greedy(server, hf_target, tiny_prompts):
@@ -136,6 +139,23 @@ def test_chat_completions_equal_greedy(server, hf_target, tiny_prompts):
     prompt_ids, got = chat_ids(server, messages, MAX_NEW)
     assert prompt_ids == ids
     assert got == target_greedy(model, ids, MAX_NEW)
+
+
+def test_concurrent_requests_and_a_prefix_hit_equal_greedy(server, hf_target, tiny_prompts):
+    """Four requests at once over a shared 40-token prefix (pages of 4 / 16 split it mid-page), then the
+    first again: its prefix comes from the radix cache (page-aligned with pages) and the output is the
+    same greedy continuation."""
+    model, tok = hf_target
+    base = tok(" ".join(tiny_prompts), add_special_tokens=False)["input_ids"]
+    prefix = (base * (40 // len(base) + 1))[:40]
+    prompts = [prefix + tok(text, add_special_tokens=False)["input_ids"] for text in tiny_prompts[:4]]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda ids: generate_ids(server, ids, MAX_NEW), prompts))
+    for ids, (got, _) in zip(prompts, outs):
+        assert got == target_greedy(model, ids, MAX_NEW), log_tail(server.log_path)
+    again, meta = generate_ids(server, prompts[0], MAX_NEW)
+    assert meta["cached_tokens"] >= 40 - server.page_size, meta
+    assert again == outs[0][0]
 
 
 def test_rounds_accept_what_the_reference_engine_accepts(server, reference_target, hf_target, tiny_prompts):
@@ -265,8 +285,8 @@ def test_refused_request_features_get_a_400_that_names_them(mfd_d_server, featur
 
 
 # --- launch-time errors -----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "page size", "attention backend",
-                                  "lora"])
+@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "tensor parallelism",
+                                  "attention backend", "lora"])
 def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
     drafter = str(tiny_pair / "drafter")
     extra, expected = [], ""
@@ -276,8 +296,8 @@ def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
         drafter, expected = str(REPO / "drafters" / "smollm2-135m" / "mfd"), "hidden_size: found 576, expected 64"
     elif case == "budget":
         extra, expected = ["--speculative-num-draft-tokens", "1"], "tree budget of 0"
-    elif case == "page size":
-        extra, expected = ["--page-size", "2"], "--page-size 2"
+    elif case == "tensor parallelism":
+        extra, expected = ["--tp-size", "2"], "--tp-size 2: tensor parallelism is not supported"
     elif case == "lora":  # SGLang's own refusal: the reason a request's lora_path never reaches MFD
         extra, expected = ["--enable-lora"], "LoRA is only compatible with"
     elif case == "attention backend":  # no TARGET_VERIFY tree mask there

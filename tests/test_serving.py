@@ -52,7 +52,7 @@ def _server_args(tiny_pair, **changes):
     ({"tp_size": 2}, "--tp-size 2: tensor parallelism is not supported"),
     ({"pp_size": 2}, "--pp-size 2: pipeline parallelism"),
     ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),
-    ({"page_size": 16}, "--page-size 16: MFD needs page size 1"),
+    ({"page_size": 16}, None),  # pages are served (tests/test_mfd_server.py: exact at 4 and 16)
     ({"speculative_num_draft_tokens": 2000}, "tree budget of 1999 nodes"),
     ({"speculative_draft_model_path": None}, "needs --speculative-draft-model-path DIR"),
 ])

@@ -3,7 +3,9 @@
 SGLang's ``torch_native`` backend serves EXTEND and DECODE only; speculative verification
 (TARGET_VERIFY, with or without a tree mask) fails there, and the Triton backend under
 ``TRITON_INTERPRET=1`` is correct but far too slow to serve. This backend covers every
-forward mode a speculative run on CPU needs, over SGLang's paged KV cache (page size 1):
+forward mode a speculative run on CPU needs, over SGLang's paged KV cache (any page size: the
+pool is indexed by token slot, and every key is read through ``req_to_token``, whose page layout
+is the allocator's business):
 
 - EXTEND / MIXED / DRAFT_EXTEND_V2 / SPLIT_PREFILL (prefill, chunked prefill, prefix-cached
   requests): per request, the queries of the new tokens attend to the request's cached prefix
@@ -40,7 +42,7 @@ too); SGLang's own masks never do that.
 
 Not supported (a clear error, never a silent wrong answer): CUDA/CPU graphs, cross attention,
 sliding-window layers in TARGET_VERIFY, the hybrid SWA pool, translating (unified / fused-draft)
-KV pools, page size > 1, logit soft-capping, attention sinks, fp8 KV scales, xai temperature,
+KV pools, logit soft-capping, attention sinks, fp8 KV scales, xai temperature,
 DLLM extend, ragged verify layouts.
 
 Register with ``register_cpu_attention_backend()`` (idempotent); the plugin entry point calls it.
@@ -206,9 +208,6 @@ class CpuSdpaAttnBackend(_base_cls()):
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        page_size = getattr(model_runner, "page_size", 1) or 1
-        if page_size != 1:
-            raise ValueError(f"mfd_cpu attention supports page_size 1 only, got {page_size}")
         if isinstance(self.token_to_kv_pool, SWAKVPool):
             raise ValueError("mfd_cpu attention does not support the hybrid SWA KV pool")
         translator = getattr(model_runner, "kv_index_translator", None)

@@ -145,8 +145,6 @@ def check_tree_verify_attention(attn_backend) -> None:
 
 def _unsupported(server_args) -> list[str]:
     problems = []
-    if int(server_args.page_size or 1) > 1:
-        problems.append(f"--page-size {server_args.page_size}: MFD needs page size 1 (drop the flag)")
     if int(server_args.pp_size or 1) > 1:
         problems.append(f"--pp-size {server_args.pp_size}: pipeline parallelism is not supported")
     if int(server_args.tp_size or 1) > 1:
