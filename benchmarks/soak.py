@@ -32,6 +32,11 @@ from pathlib import Path
 import psutil
 import requests
 import torch
+from transformers import AutoTokenizer
+
+from mfd_sglang.hf import load_target, plain_greedy
+from mfd_sglang.lab.tiny import make_tiny
+from mfd_sglang.server_process import ServerProcess, free_port, launch_command, stream_then_abort
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"greedy": 0.45, "penalised": 0.15, "sampled": 0.2, "aborted": 0.2}
@@ -57,8 +62,6 @@ class Reference:
     """The target's greedy decoding (optionally with a frequency penalty), memoised per request."""
 
     def __init__(self, target_dir: Path):
-        from mfd_sglang.hf import load_target
-
         self.model = load_target(target_dir, dtype=torch.float32)
         self.cache: dict[tuple, list[int]] = {}
         self.lock = threading.Lock()
@@ -67,16 +70,7 @@ class Reference:
         key = (tuple(ids), max_new, frequency_penalty)
         with self.lock:
             if key not in self.cache:
-                out: list[int] = []
-                counts = torch.zeros(self.model.config.vocab_size)
-                with torch.inference_mode():
-                    step = self.model(torch.tensor([ids]), use_cache=True)
-                    for _ in range(max_new):
-                        logits = step.logits[0, -1] - frequency_penalty * counts
-                        out.append(int(logits.argmax()))
-                        counts[out[-1]] += 1
-                        step = self.model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
-                self.cache[key] = out
+                self.cache[key] = plain_greedy(self.model, ids, max_new, frequency_penalty=frequency_penalty)
             return self.cache[key]
 
 
@@ -103,7 +97,6 @@ def one_request(server, reference: Reference, rng: random.Random, vocab: list[in
     prompts = make_prompts(rng, vocab)
     ids = prompts[rng.choice(list(prompts))]
     max_new = rng.randint(4, 48)
-    from mfd_sglang.server_process import stream_then_abort
 
     url = server.base_url + "/generate"
     try:
@@ -145,10 +138,6 @@ def one_request(server, reference: Reference, rng: random.Random, vocab: list[in
 
 def soak(pair: Path, *, algorithm: str, budget: int, duration: float, workers: int, max_total_tokens: int,
          rss_slack_mib: float, seed: int, log_dir: Path, log=print) -> dict:
-    from transformers import AutoTokenizer
-
-    from mfd_sglang.server_process import ServerProcess, free_port, launch_command
-
     tokenizer = AutoTokenizer.from_pretrained(str(pair / "target"))
     vocab = sorted(i for token, i in tokenizer.get_vocab().items() if token.isalpha())  # words: no special token
     reference = Reference(pair / "target")
@@ -218,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         pair = args.pair
         if pair is None:
-            from mfd_sglang.lab.tiny import make_tiny
-
             pair = make_tiny(Path(tmp) / "tiny", seed=0, num_modes=4, log=lambda *a: None)
         result = soak(pair, algorithm=args.algorithm, budget=args.budget, duration=args.duration,
                       workers=args.workers, max_total_tokens=args.max_total_tokens, rss_slack_mib=args.rss_slack_mib,

@@ -89,6 +89,28 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     return model.to(device).eval()
 
 
+def plain_greedy(model, input_ids: list[int], max_new_tokens: int, eos: Iterable[int] = (),
+                 frequency_penalty: float = 0.0) -> list[int]:
+    """Plain autoregressive greedy decoding with a KV cache, stopping after an `eos` token (each step's
+    logits less frequency_penalty x the count of each token output so far): the ground truth every
+    speculative path is held to."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([input_ids])
+    stop = set(eos)
+    out: list[int] = []
+    counts = torch.zeros(model.config.vocab_size)
+    with torch.inference_mode():
+        while len(out) < max_new_tokens:
+            logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            token = int((logits - frequency_penalty * counts).argmax())
+            counts[token] += 1
+            out.append(token)
+            if token in stop:
+                break
+            ids = torch.tensor([[token]])
+    return out
+
+
 def eos_token_ids(tokenizer, config) -> set[int]:
     """The tokenizer's EOS plus every EOS id in the model config (which may list several)."""
     ids = config.eos_token_id

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mfd_sglang.checkpoint import load_drafter, save_drafter
+from mfd_sglang.hf import plain_greedy
 from mfd_sglang.lab.tiny import make_tiny
 
 
@@ -47,21 +48,5 @@ def tiny_prompts(tiny_pair) -> list[str]:
 
 def target_greedy(model, input_ids: list[int], max_new_tokens: int, eos: set[int] = frozenset(),
                   frequency_penalty: float = 0.0) -> list[int]:
-    """Plain autoregressive greedy decoding with a KV cache (each step's logits less frequency_penalty x
-    the count of each token output so far): the ground truth."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    ids = torch.tensor([input_ids])
-    out: list[int] = []
-    counts = torch.zeros(model.config.vocab_size)
-    with torch.inference_mode():
-        while len(out) < max_new_tokens:
-            logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
-            token = int((logits - frequency_penalty * counts).argmax())
-            counts[token] += 1
-            out.append(token)
-            if token in eos:
-                break
-            ids = torch.tensor([[token]])
-    return out
+    """The ground truth: the target's plain greedy decoding (`mfd_sglang.hf.plain_greedy`)."""
+    return plain_greedy(model, input_ids, max_new_tokens, eos, frequency_penalty)

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from transformers import AutoTokenizer
 
 from conftest import target_greedy
