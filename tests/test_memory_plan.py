@@ -68,6 +68,18 @@ def test_plan_grows_with_batch_and_budget():
     assert plan.verify_bytes(48) == 2 * 48 * 65 * 151936 * 4
 
 
+def test_tensor_parallel_ranks_count_the_gathered_vocabulary():
+    """Each TP rank gathers the target's embeddings (and an untied head) whole for the drafter."""
+    cfg = parse_drafter_config(QWEN3_4B_DRAFTER)
+    one = memory_plan(cfg, 500_000_000, dtype_bytes=2, budget=64, vocab=cfg.vocab_size)
+    tied = memory_plan(cfg, 500_000_000, dtype_bytes=2, budget=64, vocab=cfg.vocab_size, tp_size=2)
+    untied = memory_plan(cfg, 500_000_000, dtype_bytes=2, budget=64, vocab=cfg.vocab_size, tp_size=4,
+                         tied_embeddings=False)
+    assert tied.weight_bytes - one.weight_bytes == cfg.vocab_size * cfg.hidden_size * 2
+    assert untied.weight_bytes - one.weight_bytes == 2 * cfg.vocab_size * cfg.hidden_size * 2
+    assert tied.draft_bytes(8) == one.draft_bytes(8) and tied.verify_bytes(8) == one.verify_bytes(8)
+
+
 def test_launch_takes_the_plan_out_of_the_default_static_fraction(caplog):
     plan = _plan()
     args = SimpleNamespace(max_running_requests=48, mem_fraction_static=0.9)

@@ -285,7 +285,7 @@ def test_refused_request_features_get_a_400_that_names_them(mfd_d_server, featur
 
 
 # --- launch-time errors -----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "tensor parallelism",
+@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "pipeline parallelism",
                                   "attention backend", "lora"])
 def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
     drafter = str(tiny_pair / "drafter")
@@ -296,8 +296,8 @@ def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
         drafter, expected = str(REPO / "drafters" / "smollm2-135m" / "mfd"), "hidden_size: found 576, expected 64"
     elif case == "budget":
         extra, expected = ["--speculative-num-draft-tokens", "1"], "tree budget of 0"
-    elif case == "tensor parallelism":
-        extra, expected = ["--tp-size", "2"], "--tp-size 2: tensor parallelism is not supported"
+    elif case == "pipeline parallelism":
+        extra, expected = ["--pp-size", "2"], "--pp-size 2: pipeline parallelism is not supported"
     elif case == "lora":  # SGLang's own refusal: the reason a request's lora_path never reaches MFD
         extra, expected = ["--enable-lora"], "LoRA is only compatible with"
     elif case == "attention backend":  # no TARGET_VERIFY tree mask there

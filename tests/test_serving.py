@@ -49,7 +49,7 @@ def _server_args(tiny_pair, **changes):
 
 @pytest.mark.parametrize("changes, message", [
     ({}, None),
-    ({"tp_size": 2}, "--tp-size 2: tensor parallelism is not supported"),
+    ({"tp_size": 2}, None),  # tensor parallelism is served (tests/test_tp_server.py)
     ({"pp_size": 2}, "--pp-size 2: pipeline parallelism"),
     ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),
     ({"page_size": 16}, None),  # pages are served (tests/test_mfd_server.py: exact at 4 and 16)

@@ -13,7 +13,8 @@ Before SGLang is imported it
    ``--mem-fraction-static 0.5``, ``--attention-backend mfd_cpu`` (this plugin's plain-torch
    backend, which also serves speculative tree verify; SGLang's CPU default ``intel_amx`` needs
    the unpublished AMX build of sgl-kernel), ``--disable-cuda-graph`` (no graphs on CPU);
-4. registers the FULL_MASK hooks (``mfd_sglang.patches.full_mask``);
+4. registers the FULL_MASK hooks (``mfd_sglang.patches.full_mask``) and the one that lets
+   ``--tp-size`` run on CPU (``mfd_sglang.patches.cpu_tp``: gloo instead of PyNccl);
 then runs ``sglang.launch_server`` as ``__main__`` with the completed argument list.
 """
 

@@ -147,9 +147,6 @@ def _unsupported(server_args) -> list[str]:
     problems = []
     if int(server_args.pp_size or 1) > 1:
         problems.append(f"--pp-size {server_args.pp_size}: pipeline parallelism is not supported")
-    if int(server_args.tp_size or 1) > 1:
-        problems.append(f"--tp-size {server_args.tp_size}: tensor parallelism is not supported yet "
-                        "(the drafter runs unsharded on one device)")
     if int(getattr(server_args, "dp_size", 1) or 1) > 1 or getattr(server_args, "enable_dp_attention", False):
         problems.append("data parallelism / --enable-dp-attention is not supported")
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):

@@ -5,7 +5,9 @@ SGLang 0.5.23 already sizes its KV pool for a DFlash-family drafter's context K/
 token, which is exactly what `DraftContextPool` holds per KV slot). What it does not plan for:
 
   drafter weights   the drafter's own tensors (it borrows the target's embeddings and head; a
-                    draft vocabulary copies its rows of the head once);
+                    draft vocabulary copies its rows of the head once; under tensor parallelism
+                    every rank holds a gathered full copy of the embeddings, and of the head when
+                    it is not tied, beside the target's own vocabulary shards);
   draft working set one draft + tree round at batch bs (what the draft CUDA graph of that batch
                     size keeps in its pool): the largest of the drafter layers' activations, the
                     vocabulary scoring of one chunk (`mfd_sglang.drafter.vocab_candidates`) and the
@@ -85,12 +87,14 @@ class MemoryPlan:
 
 
 def memory_plan(cfg: DrafterConfig, weight_elements: int, *, dtype_bytes: int, budget: int, vocab: int,
-                num_modes: int | None = None) -> MemoryPlan:
-    """The plan of a drafter (its config and number of weight elements, `checkpoint.weights` or the
-    module's parameters) served in a dtype of `dtype_bytes` with tree budget B over a target
-    vocabulary of `vocab`."""
+                num_modes: int | None = None, tp_size: int = 1, tied_embeddings: bool = True) -> MemoryPlan:
+    """The plan, per rank, of a drafter (its config and number of weight elements, `checkpoint.weights`
+    or the module's parameters) served in a dtype of `dtype_bytes` with tree budget B over a target
+    vocabulary of `vocab`, on `tp_size` tensor-parallel ranks."""
     draft_vocab = cfg.draft_vocab_size or vocab
     head_copy = draft_vocab * cfg.hidden_size if cfg.draft_vocab_size else 0
+    if tp_size > 1:  # the gathered embeddings (and head) of the worker
+        head_copy += vocab * cfg.hidden_size * (1 if tied_embeddings else 2)
     q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return MemoryPlan(
         weight_bytes=(weight_elements + head_copy) * dtype_bytes,
@@ -140,7 +144,8 @@ def plan_launch_memory(server_args) -> None:
     plan = memory_plan(ckpt.config, weights, dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
                        budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),
                        vocab=_target_text_config(server_args.model_path)["vocab_size"],
-                       num_modes=read_options().num_modes)
+                       num_modes=read_options().num_modes, tp_size=int(server_args.tp_size or 1),
+                       tied_embeddings=bool(_target_text_config(server_args.model_path).get("tie_word_embeddings")))
     # The raw input tells whether the user set the fraction (the resolved value is always set).
     raw = getattr(server_args, "_raw_input", None) or {}
     reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),

@@ -28,10 +28,12 @@ per request (accepted draft tokens, then the bonus).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import torch
 
+from sglang.srt.distributed import get_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -152,12 +154,22 @@ class MFDWorkerV2(BaseSpecWorker):
         vocab = self.model_runner.model_config.vocab_size
         # The drafter borrows the target's embeddings and head (rows past the vocabulary are padding);
         # with a draft vocabulary its rows are copied once here, not every round.
-        self.embed_weight = target.get_input_embeddings().weight[:vocab]
-        self.head_weight = self.drafter.head_weight(target.lm_head.weight[:vocab])
+        self.tp_group = get_tp_group()
+        embed, head = target.get_input_embeddings().weight, target.lm_head.weight
+        if self.tp_group.world_size > 1:
+            # Under tensor parallelism both are vocabulary shards. The drafter runs whole on every rank
+            # and needs every row: gathered once here (one full copy per rank, counted in the memory
+            # plan) rather than a per-shard top-B and an all-gather in every round.
+            tied = head is embed
+            embed = self.tp_group.all_gather(embed, dim=0)
+            head = embed if tied else self.tp_group.all_gather(head, dim=0)
+        self.embed_weight = embed[:vocab]
+        self.head_weight = self.drafter.head_weight(head[:vocab])
         weights = sum(p.numel() for p in self.drafter.parameters())
         self.memory_plan = memory_plan(ckpt.config, weights, budget=self.budget, vocab=vocab,
                                        dtype_bytes=self.embed_weight.element_size(),
-                                       num_modes=self.drafter.mode_embed.shape[0])
+                                       num_modes=self.drafter.mode_embed.shape[0],
+                                       tp_size=self.tp_group.world_size, tied_embeddings=head is embed)
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         self.context_pool: DraftContextPool | None = None
         self.draft_graphs: BatchGraphs | None = None
@@ -281,6 +293,7 @@ class MFDWorkerV2(BaseSpecWorker):
             grammar_mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,
                                                     device=logits.device, barrier=grammar_barrier)
         result, logits = self.accept(tree, layout, logits, batch, seq_lens, grammar_mask)
+        self.from_rank0(result)
         accept_lens = result.accept_lens.to(torch.int32)
         new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
         if on_publish is not None:  # the lengths are known: the scheduler may prepare the next batch
@@ -308,6 +321,22 @@ class MFDWorkerV2(BaseSpecWorker):
             indexer_topk_output=output.indexer_topk_output,
             extra_keep_alive_refs=[forward_batch],
         )
+
+    def from_rank0(self, *decisions) -> None:
+        """Under tensor parallelism every rank takes rank 0's accepted path (in place), as SGLang's
+        EAGLE / DFLASH workers broadcast theirs: a sampled verify draws random numbers, which agree
+        across ranks only while every rank's generator has made the same draws. The tree needs no
+        broadcast: every rank drafts it from the same all-reduced hidden states with the same
+        deterministic kernels (SGLang's DFLASH draft relies on the same)."""
+        if self.tp_group.world_size == 1:
+            return
+        for decision in decisions:
+            for field in dataclasses.fields(decision):
+                tensor = getattr(decision, field.name)
+                if tensor.is_contiguous():
+                    self.tp_group.broadcast(tensor, src=0)
+                else:  # collectives take contiguous buffers
+                    tensor.copy_(self.tp_group.broadcast(tensor.contiguous(), src=0))
 
     # --- the stages of a round ------------------------------------------------------------------
     def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor,
