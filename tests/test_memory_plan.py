@@ -22,11 +22,11 @@ from draft_memory import QWEN3_4B_DRAFTER  # noqa: E402
 
 
 def test_planned_draft_memory_bounds_the_measured_allocations():
-    out = subprocess.run([sys.executable, "benchmarks/draft_memory.py", "--batch-sizes", "1", "2"], cwd=REPO,
+    out = subprocess.run([sys.executable, "benchmarks/draft_memory.py", "--batch-sizes", "1"], cwd=REPO,
                          capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["bs"] for r in rows] == [1, 2]
+    assert [r["bs"] for r in rows] == [1]  # batch 1 for CI time; README: `--batch-sizes 1 2` (and growth: below)
     for row in rows:
         assert row["measured"] <= row["planned"] <= 1.5 * row["measured"], row
 

@@ -37,11 +37,10 @@ MAX_NEW = 16
 # overlap scheduling: SGLang's default, as on a GPU; two servers run the synchronous V2 path instead,
 # KV page size: 1, or pages of 4 / 16 tokens, across which verify windows and accepted paths fall)
 SERVERS = [
-    ("MFD", 1, "mfd", None, True, 1),
     ("MFD", 8, "mfd", None, True, 1),
     ("MFD", 32, "mfd", None, True, 4),
     ("MFD", 8, "dflash", None, False, 1),  # a plain DFlash drafter: K = 1, i.e. DDTree
-    ("MFD_D", 1, "mfd", 1, False, 1),  # threshold 1: the single-mode path in every round
+    ("MFD_D", 1, "mfd", 1, False, 1),  # budget 1; threshold 1: the single-mode path in every round
     ("MFD_D", 32, "mfd", 1, True, 16),
 ]
 
