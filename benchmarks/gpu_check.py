@@ -33,6 +33,7 @@ section, so that a run cut short keeps what it finished; a section that raised r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import importlib
 import importlib.util
@@ -81,6 +82,20 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
         and torch.equal(a.scores.float(), b.scores.float())
 
 
+@contextlib.contextmanager
+def host_syncs_raise(device: str):
+    """On CUDA, CUDA sync debug mode "error" for the block (the first host sync raises); elsewhere nothing."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def check_tree_kernel(device: str, quick: bool) -> list[dict]:
     shapes = [(1, 8, 15, 32768, 64), (4, 8, 15, 65536, 64), (2, 1, 15, 151936, 128), (3, 4, 7, 5, 200)]
     if quick:
@@ -91,14 +106,8 @@ def check_tree_kernel(device: str, quick: bool) -> list[dict]:
         try:
             logprobs = random_logprobs((bs, k, d, v), device, dtype, seed=bs * 1000 + v)
             reference = build_mixture_tree(logprobs, budget, backend="torch")
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-            try:
+            with host_syncs_raise(device):
                 fast = build_mixture_tree(logprobs, budget, backend="triton")
-            finally:
-                if device.startswith("cuda"):
-                    torch.cuda.set_sync_debug_mode("default")
             row["identical"] = same_tree(reference, fast)
         except Exception as exc:
             row["identical"] = False
@@ -138,14 +147,8 @@ def check_accept_without_sync(device: str, quick: bool) -> list[dict]:
     for name, run in cases.items():
         row = {"case": name}
         try:
-            if on_cuda:
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-            try:
+            with host_syncs_raise(device):
                 run()
-            finally:
-                if on_cuda:
-                    torch.cuda.set_sync_debug_mode("default")
             if on_cuda:
                 row["sync_free"] = True  # sync debug mode "error" raises on the first host sync
             else:

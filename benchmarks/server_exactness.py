@@ -6,8 +6,9 @@ several requests are verified).
     python benchmarks/gpu_check.py --only servers --quick --device cpu # tiny shapes, fp32, the CPU launcher
 
 On a GPU the matrix is {fp32, bf16} x {CUDA graphs + overlap scheduling on, graphs off}, plus fp32 with
-graphs, overlap and KV pages of 16 tokens, each with a plain, an MFD (K = 8, B = 64) and an MFD_D server; the servers of one graph setting start together
-(one H200 holds them all; start-up dominates the time). On a CPU: fp32 only, eager, one at a time.
+graphs, overlap and KV pages of 16 tokens, each with a plain, an MFD (K = 8, B = 64) and an MFD_D
+server; the servers of one graph setting start together (one H200 holds them all; start-up dominates
+the time). On a CPU: fp32 only, eager, one at a time.
 The target is written as a Hugging Face Qwen3 checkpoint (random weights, the width of Qwen3-4B,
 fewer layers: exactness does not depend on depth, start-up time does) with a random K = 8 drafter;
 requests go by token ids (`--skip-tokenizer-init`: no tokenizer exists).

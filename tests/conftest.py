@@ -46,7 +46,5 @@ def tiny_prompts(tiny_pair) -> list[str]:
     return json.loads((tiny_pair / "prompts.json").read_text())
 
 
-def target_greedy(model, input_ids: list[int], max_new_tokens: int, eos: set[int] = frozenset(),
-                  frequency_penalty: float = 0.0) -> list[int]:
-    """The ground truth: the target's plain greedy decoding (`mfd_sglang.hf.plain_greedy`)."""
-    return plain_greedy(model, input_ids, max_new_tokens, eos, frequency_penalty)
+# The ground truth every test holds a speculative path to: the target's plain greedy decoding.
+target_greedy = plain_greedy

@@ -28,6 +28,16 @@ def random_parents(bs: int, n: int, gen: torch.Generator) -> torch.Tensor:
     return parents
 
 
+def random_gdn_inputs(seed: int, bs: int, n: int, heads: int, dk: int, dv: int):
+    """(q, k, v, g, beta, initial state, the generator) for a window of n tokens: log decays <= 0 and
+    beta in [0, 1), as the layer makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(bs, n, heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(bs, n, heads, dv, generator=gen)
+    g, beta = -torch.rand(bs, n, heads, generator=gen), torch.rand(bs, n, heads, generator=gen)
+    return q, k, v, g, beta, torch.randn(bs, heads, dk, dv, generator=gen), gen
+
+
 def path_of(parents: torch.Tensor, b: int, j: int) -> list[int]:
     path = []
     while j >= 0:
@@ -38,13 +48,8 @@ def path_of(parents: torch.Tensor, b: int, j: int) -> list[int]:
 
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_each_node_equals_the_sequential_rule_on_its_path(l2norm):
-    gen = torch.Generator().manual_seed(0)
-    bs, n, heads, dk, dv = 3, 17, 4, 8, 6
-    q, k = (torch.randn(bs, n, heads, dk, generator=gen) for _ in range(2))
-    v = torch.randn(bs, n, heads, dv, generator=gen)
-    g = -torch.rand(bs, n, heads, generator=gen)  # log decays <= 0, as the layer makes them
-    beta = torch.rand(bs, n, heads, generator=gen)
-    initial = torch.randn(bs, heads, dk, dv, generator=gen)
+    bs, n = 3, 17
+    q, k, v, g, beta, initial, gen = random_gdn_inputs(0, bs, n, heads=4, dk=8, dv=6)
     parents = random_parents(bs, n, gen)
     out, states = tree_gated_delta_rule(q, k, v, g, beta, parents, initial, use_qk_l2norm=l2norm)
     assert any(int(parents[b, j]) != j - 1 for b in range(bs) for j in range(1, n))  # a tree, not a chain
@@ -60,12 +65,8 @@ def test_each_node_equals_the_sequential_rule_on_its_path(l2norm):
 
 def test_a_chain_is_the_sequence():
     """parents j - 1: the whole window is one sequence (what SGLang's chain verify computes)."""
-    gen = torch.Generator().manual_seed(1)
-    bs, n, heads, dk, dv = 2, 9, 2, 4, 4
-    q, k = (torch.randn(bs, n, heads, dk, generator=gen) for _ in range(2))
-    v = torch.randn(bs, n, heads, dv, generator=gen)
-    g, beta = -torch.rand(bs, n, heads, generator=gen), torch.rand(bs, n, heads, generator=gen)
-    initial = torch.randn(bs, heads, dk, dv, generator=gen)
+    bs, n = 2, 9
+    q, k, v, g, beta, initial, _ = random_gdn_inputs(1, bs, n, heads=2, dk=4, dv=4)
     chain = torch.arange(n).expand(bs, n) - 1
     out, states = tree_gated_delta_rule(q, k, v, g, beta, chain, initial)
     ref_out, ref_state = torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial.clone(),
@@ -108,13 +109,11 @@ from sglang.kernels.ops.attention.fla.fused_recurrent import fused_recurrent_gat
 # of its functions, so the alias is routed through `tl` here.
 fused_recurrent.exp = lambda x: tl.exp(x)
 from mfd_sglang.tree_gated_delta import tree_gated_delta_rule
+sys.path.insert(0, "tests")
+from test_tree_gated_delta import random_gdn_inputs
 
-gen = torch.Generator().manual_seed(3)
 bs, n, heads, dk, dv = 2, 9, 2, 8, 8
-q, k = (torch.randn(bs, n, heads, dk, generator=gen) for _ in range(2))
-v = torch.randn(bs, n, heads, dv, generator=gen)
-g, beta = -torch.rand(bs, n, heads, generator=gen), torch.rand(bs, n, heads, generator=gen)
-initial = torch.randn(bs, heads, dk, dv, generator=gen)
+q, k, v, g, beta, initial, gen = random_gdn_inputs(3, bs, n, heads, dk, dv)
 # A verify window: token 0 (the root) follows the committed state, every other token hangs under an
 # earlier one of the window.
 parents = torch.full((bs, n), -1, dtype=torch.int64)

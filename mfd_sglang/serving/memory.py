@@ -140,12 +140,13 @@ def plan_launch_memory(server_args) -> None:
     from .options import budget_from_num_draft_tokens, read_options
 
     ckpt = load_drafter(server_args.speculative_draft_model_path)
+    target = _target_text_config(server_args.model_path)
     weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())
     plan = memory_plan(ckpt.config, weights, dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
                        budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),
-                       vocab=_target_text_config(server_args.model_path)["vocab_size"],
+                       vocab=target["vocab_size"],
                        num_modes=read_options().num_modes, tp_size=int(server_args.tp_size or 1),
-                       tied_embeddings=bool(_target_text_config(server_args.model_path).get("tie_word_embeddings")))
+                       tied_embeddings=bool(target.get("tie_word_embeddings")))
     # The raw input tells whether the user set the fraction (the resolved value is always set).
     raw = getattr(server_args, "_raw_input", None) or {}
     reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),

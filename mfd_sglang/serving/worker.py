@@ -156,11 +156,11 @@ class MFDWorkerV2(BaseSpecWorker):
         # with a draft vocabulary its rows are copied once here, not every round.
         self.tp_group = get_tp_group()
         embed, head = target.get_input_embeddings().weight, target.lm_head.weight
+        tied = head is embed
         if self.tp_group.world_size > 1:
             # Under tensor parallelism both are vocabulary shards. The drafter runs whole on every rank
             # and needs every row: gathered once here (one full copy per rank, counted in the memory
             # plan) rather than a per-shard top-B and an all-gather in every round.
-            tied = head is embed
             embed = self.tp_group.all_gather(embed, dim=0)
             head = embed if tied else self.tp_group.all_gather(head, dim=0)
         self.embed_weight = embed[:vocab]
@@ -169,7 +169,7 @@ class MFDWorkerV2(BaseSpecWorker):
         self.memory_plan = memory_plan(ckpt.config, weights, budget=self.budget, vocab=vocab,
                                        dtype_bytes=self.embed_weight.element_size(),
                                        num_modes=self.drafter.mode_embed.shape[0],
-                                       tp_size=self.tp_group.world_size, tied_embeddings=head is embed)
+                                       tp_size=self.tp_group.world_size, tied_embeddings=tied)
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         self.context_pool: DraftContextPool | None = None
         self.draft_graphs: BatchGraphs | None = None
@@ -322,7 +322,7 @@ class MFDWorkerV2(BaseSpecWorker):
             extra_keep_alive_refs=[forward_batch],
         )
 
-    def from_rank0(self, *decisions) -> None:
+    def from_rank0(self, result: TreeVerifyResult) -> None:
         """Under tensor parallelism every rank takes rank 0's accepted path (in place), as SGLang's
         EAGLE / DFLASH workers broadcast theirs: a sampled verify draws random numbers, which agree
         across ranks only while every rank's generator has made the same draws. The tree needs no
@@ -330,13 +330,12 @@ class MFDWorkerV2(BaseSpecWorker):
         deterministic kernels (SGLang's DFLASH draft relies on the same)."""
         if self.tp_group.world_size == 1:
             return
-        for decision in decisions:
-            for field in dataclasses.fields(decision):
-                tensor = getattr(decision, field.name)
-                if tensor.is_contiguous():
-                    self.tp_group.broadcast(tensor, src=0)
-                else:  # collectives take contiguous buffers
-                    tensor.copy_(self.tp_group.broadcast(tensor.contiguous(), src=0))
+        for field in dataclasses.fields(result):
+            tensor = getattr(result, field.name)
+            if tensor.is_contiguous():
+                self.tp_group.broadcast(tensor, src=0)
+            else:  # collectives take contiguous buffers
+                tensor.copy_(self.tp_group.broadcast(tensor.contiguous(), src=0))
 
     # --- the stages of a round ------------------------------------------------------------------
     def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor,
