@@ -13,9 +13,16 @@ verify round, SGLang's spec_accept_length), mean TTFT and failed requests.
         --batch-sizes 1 2 4 --requests-per-size 8 --record
 
 Configurations: ar (no speculation), dflash (SGLang's own DFLASH chain with the single-mode drafter;
-CUDA only), mfd, mfd_d, ddtree (MFD with the single-mode drafter, K = 1). The servers are launched
-here one at a time (GPU if there is one, else CPU through mfd_sglang.cpu.launch_server), or given
-with --base-url NAME=URL (then nothing is launched for NAME).
+CUDA only), mfd, mfd_d, ddtree (MFD with the single-mode drafter, K = 1). A speculative one may name
+its budget: `mfd_d@8` (B = 8; plain `mfd_d` uses --budget), or `mfd_d@auto` (the automatic budget,
+MFD_SGLANG_AUTO_BUDGET=1, at most --budget). With an `@auto` configuration and fixed budgets of the same
+one, the report compares auto with AR and with the best fixed budget at each b (`auto_vs`):
+
+    python benchmarks/closed_loop.py --target ... --mfd-drafter drafters/smollm2-135m/mfd --budget 16 \
+        --configs ar,mfd_d@4,mfd_d@8,mfd_d@16,mfd_d@auto --batch-sizes 1 2 4 8 --warmup --record
+
+The servers are launched here one at a time (GPU if there is one, else CPU through
+mfd_sglang.cpu.launch_server), or given with --base-url NAME=URL (then nothing is launched for NAME).
 """
 
 from __future__ import annotations
@@ -40,11 +47,19 @@ from mfd_sglang.server_process import ServerProcess, free_port, launch_command
 CONFIGS = ("ar", "dflash", "mfd", "mfd_d", "ddtree")
 
 
+def split_config(name: str) -> tuple[str, str | None]:
+    """`mfd_d@8` -> ("mfd_d", "8"); `mfd_d@auto` -> ("mfd_d", "auto"); `ar` -> ("ar", None)."""
+    base, _, budget = name.partition("@")
+    return base, budget or None
+
+
 def server_command(name: str, args, port: int, device: str, max_batch: int) -> list[str] | None:
     """The launch command of one configuration, None when it cannot run on this device."""
     extra = ["--max-running-requests", str(max_batch), "--context-length", str(args.context_length),
-             "--log-level", "warning"]
+             "--log-level", "info" if split_config(name)[1] == "auto" else "warning"]
     common = dict(port=port, device=device, dtype=args.dtype, extra_args=extra)
+    name, budget = split_config(name)
+    budget = args.budget if budget in (None, "auto") else int(budget)
     if name == "ar":
         return launch_command(args.target, **common)
     if name == "dflash":
@@ -53,7 +68,26 @@ def server_command(name: str, args, port: int, device: str, max_batch: int) -> l
         return launch_command(args.target, algorithm="DFLASH", drafter=args.single_drafter, **common)
     algorithm = "MFD_D" if name == "mfd_d" else "MFD"
     drafter = args.single_drafter if name == "ddtree" else args.mfd_drafter
-    return launch_command(args.target, algorithm=algorithm, drafter=drafter, budget=args.budget, **common)
+    return launch_command(args.target, algorithm=algorithm, drafter=drafter, budget=budget, **common)
+
+
+def compare_auto(results: dict) -> dict:
+    """Per `X@auto` configuration and b: its speed over AR's and over the best fixed `X@B`'s."""
+    report = {}
+    for name, runs in results.items():
+        base, budget = split_config(name)
+        if budget != "auto":
+            continue
+        fixed = {n: r for n, r in results.items() if split_config(n)[0] == base and split_config(n)[1] not in (None, "auto")}
+        report[name] = {}
+        for b, run in runs.items():
+            speed = run["decode_tokens_per_second"]
+            entry = {"vs_ar": speed / results["ar"][b]["decode_tokens_per_second"] if "ar" in results else None}
+            if fixed:
+                best = max(fixed, key=lambda n: fixed[n][b]["decode_tokens_per_second"])
+                entry.update(best_fixed=best, vs_best_fixed=speed / fixed[best][b]["decode_tokens_per_second"])
+            report[name][b] = entry
+    return report
 
 
 def stream_one(base_url: str, text: str, max_tokens: int, timeout: float) -> dict:
@@ -176,7 +210,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sets", default="chat", help="prompt sets, held-out split (default chat)")
     parser.add_argument("--prompts-file", default=None, help="JSON list of texts instead of --sets")
     parser.add_argument("--limit", type=int, default=16, help="prompts per set (default 16)")
-    parser.add_argument("--budget", type=int, default=None, help="MFD tree budget B (default: the plugin's)")
+    parser.add_argument("--budget", type=int, default=None, help="MFD tree budget B of configurations without "
+                        "@B, the largest of @auto ones (default: the plugin's)")
+    parser.add_argument("--warmup", action="store_true", help="before each measured batch size, one unmeasured "
+                        "closed loop of b requests (lets @auto time its choices at that size; every configuration "
+                        "gets it)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--context-length", type=int, default=2048)
@@ -193,39 +231,47 @@ def main(argv=None) -> int:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(configs) - set(CONFIGS))
+    unknown = sorted({c for c in configs if split_config(c)[0] not in CONFIGS
+                      or split_config(c)[1] not in (None, "auto") and not split_config(c)[1].isdigit()})
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
     urls = dict(item.split("=", 1) for item in args.base_url)
     needs = {"dflash": "single_drafter", "ddtree": "single_drafter", "mfd": "mfd_drafter", "mfd_d": "mfd_drafter"}
     for name in configs:
-        if name in needs and name not in urls and getattr(args, needs[name]) is None:
+        if split_config(name)[0] in needs and name not in urls and getattr(args, needs[split_config(name)[0]]) is None:
             parser.error(f"configuration {name} needs --{needs[name].replace('_', '-')} (or --base-url {name}=URL)")
     prompts = chat_prompts(args.sets.split(","), args.limit, args.prompts_file)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="closed-loop-"))
     max_batch = max(args.batch_sizes)
 
     results, skipped = {}, {}
-    total = len(configs) * len(args.batch_sizes) * args.requests_per_size
+    total = len(configs) * sum(args.requests_per_size + (b if args.warmup else 0) for b in args.batch_sizes)
+
+    def measure(base_url: str) -> dict:
+        runs = {}
+        for b in args.batch_sizes:
+            if args.warmup:
+                closed_loop(base_url, prompts[::-1], b, b, args.max_tokens, args.timeout, bar)
+            runs[str(b)] = closed_loop(base_url, prompts, b, args.requests_per_size, args.max_tokens, args.timeout, bar)
+        return runs
+
     with tqdm(total=total, desc="closed loop", unit="req", file=sys.stderr) as bar:
         for name in configs:
             if name in urls:
-                runs = {str(b): closed_loop(urls[name], prompts, b, args.requests_per_size, args.max_tokens,
-                                            args.timeout, bar) for b in args.batch_sizes}
+                runs = measure(urls[name])
             else:
                 port = free_port()
                 cmd = server_command(name, args, port, args.device, max_batch)
                 if cmd is None:
                     skipped[name] = "SGLang 0.5.23 serves DFLASH on CUDA only"
-                    bar.update(len(args.batch_sizes) * args.requests_per_size)
+                    bar.update(total // len(configs))
                     continue
                 bar.set_postfix_str(f"starting {name}")
-                env = dict(os.environ, HF_HUB_OFFLINE="1")
+                env = dict(os.environ, HF_HUB_OFFLINE="1", MFD_SGLANG_AUTO_BUDGET=str(int(split_config(name)[1] == "auto")))
                 with ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900) as srv:
                     bar.set_postfix_str(name)
                     stream_one(srv.base_url, prompts[0], 8, args.timeout)  # warm-up
-                    runs = {str(b): closed_loop(srv.base_url, prompts, b, args.requests_per_size, args.max_tokens,
-                                                args.timeout, bar) for b in args.batch_sizes}
+                    runs = measure(srv.base_url)
             results[name] = runs
     if "ar" in results:
         for name, runs in results.items():
@@ -233,14 +279,19 @@ def main(argv=None) -> int:
                 base = results["ar"][b]["decode_tokens_per_second"]
                 run["speedup"] = run["decode_tokens_per_second"] / base if base else None
 
-    print(f"{'config':<8} {'b':>4} {'decode tok/s':>13} {'speed-up':>9} {'tau':>6} {'TTFT s':>7} {'errors':>6}")
+    auto_vs = compare_auto(results)
+    print(f"{'config':<10} {'b':>4} {'decode tok/s':>13} {'speed-up':>9} {'tau':>6} {'TTFT s':>7} {'errors':>6}")
     for name, runs in results.items():
         for b, run in runs.items():
             speedup = "-" if run.get("speedup") is None else f"{run['speedup']:.2f}x"
             tau = "-" if run["tau"] is None else f"{run['tau']:.2f}"
             ttft = "-" if run["mean_ttft_seconds"] is None else f"{run['mean_ttft_seconds']:.2f}"
-            print(f"{name:<8} {b:>4} {run['decode_tokens_per_second']:>13.1f} {speedup:>9} {tau:>6} {ttft:>7} "
+            print(f"{name:<10} {b:>4} {run['decode_tokens_per_second']:>13.1f} {speedup:>9} {tau:>6} {ttft:>7} "
                   f"{run['errors']:>6}")
+    for name, per_b in auto_vs.items():
+        for b, entry in per_b.items():
+            print(f"{name} at b = {b}: " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items() if v is not None))
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
 
@@ -252,7 +303,7 @@ def main(argv=None) -> int:
         command = "python benchmarks/closed_loop.py " + " ".join(sys.argv[1:] if argv is None else argv)
         report = {"date": str(dt.date.today()), "machine": machine, "device": args.device, "platform": platform.platform(),
                   "command": command, "settings": {k: v for k, v in vars(args).items() if k != "base_url"},
-                  "results": results, "skipped": skipped}
+                  "results": results, "auto_vs": auto_vs, "skipped": skipped}
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
         png = Path(args.plot or Path(out).with_suffix(".png"))

@@ -7,7 +7,9 @@ several requests are verified).
 
 On a GPU the matrix is {fp32, bf16} x {CUDA graphs + overlap scheduling on, graphs off}, plus fp32 with
 graphs, overlap and KV pages of 16 tokens, each with a plain, an MFD (K = 8, B = 64) and an MFD_D
-server; the servers of one graph setting start together (one H200 holds them all; start-up dominates
+server, and on a GPU also an MFD_D server with the automatic budget (MFD_SGLANG_AUTO_BUDGET=1: draft
+graphs per budget, smaller verify windows eager, plain-decoding rounds; on CPU tests/test_auto_budget.py
+holds it); the servers of one graph setting start together (one H200 holds them all; start-up dominates
 the time). On a CPU: fp32 only, eager, one at a time.
 The target is written as a Hugging Face Qwen3 checkpoint (random weights, the width of Qwen3-4B,
 fewer layers: exactness does not depend on depth, start-up time does) with a random K = 8 drafter;
@@ -39,7 +41,13 @@ from mfd_sglang.checkpoint import save_drafter
 from mfd_sglang.server_process import ServerProcess, free_port, generate_ids, launch_command
 from round_cost import TargetConfig, drafter_raw_config, random_drafter, spread_layer_ids
 
-SERVERS = [("plain", None), ("MFD", "MFD"), ("MFD_D", "MFD_D")]
+# (row name, algorithm, extra environment)
+SERVERS = [("plain", None, {}), ("MFD", "MFD", {}), ("MFD_D", "MFD_D", {})]
+AUTO_SERVER = ("MFD_D auto", "MFD_D", {"MFD_SGLANG_AUTO_BUDGET": "1"})
+
+
+def servers(device: str) -> list[tuple[str, str | None, dict]]:
+    return SERVERS if device == "cpu" else [*SERVERS, AUTO_SERVER]
 
 
 def write_random_pair(outdir: Path, cfg: TargetConfig, num_modes: int, device: str) -> tuple[Path, Path]:
@@ -108,7 +116,7 @@ def standin_env() -> dict:
 
 def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, prompts: list[list[int]], *,
                        device: str, config: ServerConfig, budget: int, max_new_tokens: int, logdir: Path,
-                       mem_fraction: float, startup_timeout: float) -> dict:
+                       mem_fraction: float, startup_timeout: float, name: str = "", env: dict | None = None) -> dict:
     """Start one server, send every prompt at once, stop it; token ids and acceptance per prompt,
     or the error that stopped it."""
     port = free_port()
@@ -124,10 +132,10 @@ def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, promp
         extra += ["--page-size", str(config.page_size)]
     cmd = launch_command(target, port=port, algorithm=algorithm, drafter=drafter, budget=budget, device=device,
                          dtype=config.dtype, extra_args=extra)
-    log = logdir / f"{algorithm or 'plain'}-{config.name}.log"
+    log = logdir / f"{(name or algorithm or 'plain').replace(' ', '-')}-{config.name}.log"
     start = time.perf_counter()
     try:
-        with ServerProcess(cmd, log, port=port, env={**os.environ, **standin_env()},
+        with ServerProcess(cmd, log, port=port, env={**os.environ, **standin_env(), **(env or {})},
                            startup_timeout=startup_timeout) as server:
             ready = time.perf_counter() - start
             with ThreadPoolExecutor(len(prompts)) as pool:
@@ -168,22 +176,22 @@ def server_section(device: str, quick: bool) -> list[dict]:
     configs = server_configs(device)
     # On a GPU every server of one graph setting starts at once (start-up is most of the time);
     # on a CPU one at a time (2 cores).
-    parallel = 1 if device == "cpu" else len(SERVERS) * 2
+    parallel = 1 if device == "cpu" else len(servers(device)) * 2
     mem_fraction, startup_timeout = (0.6, 600) if device == "cpu" else (0.5, 300)
     with tempfile.TemporaryDirectory(prefix="mfd-server-exactness-") as tmp:
         tmp = Path(tmp)
         target, drafter = write_random_pair(tmp, cfg, num_modes=8, device="cpu" if quick else device)
-        jobs = [(config, name, algorithm) for config in configs for name, algorithm in SERVERS]
+        jobs = [(config, *server) for config in configs for server in servers(device)]
         with ThreadPoolExecutor(parallel) as pool:
             results = dict(zip(
-                [(c.name, n) for c, n, _ in jobs],
+                [(c.name, n) for c, n, _, _ in jobs],
                 pool.map(lambda job: serve_and_generate(
                     target, drafter, job[2], prompts, device=device, config=job[0], budget=budget,
                     max_new_tokens=max_new_tokens, logdir=tmp, mem_fraction=mem_fraction,
-                    startup_timeout=startup_timeout), jobs)))
+                    startup_timeout=startup_timeout, name=job[1], env=job[3]), jobs)))
         return [compare(name, config, results[(config.name, name)], results[(config.name, "plain")], budget,
                         prompts, max_new_tokens)
-                for config in configs for name, _ in SERVERS[1:]]
+                for config in configs for name, _, _ in servers(device)[1:]]
 
 
 def print_server_rows(rows: list[dict]) -> None:

@@ -140,8 +140,8 @@ def _demo(args: argparse.Namespace) -> int:
         except SmolLM2NotInstalled as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    run_demo(target, drafter, max_tokens=args.max_tokens, budget=args.budget, dtype=args.dtype,
-             say=lambda text: print(text, flush=True))
+    run_demo(target, drafter, max_tokens=args.max_tokens, budget=args.budget, auto_budget=not args.fixed_budget,
+             repeats=args.repeats, dtype=args.dtype, say=lambda text: print(text, flush=True))
     return 0
 
 
@@ -346,8 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="HF target directory (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="MFD / DFlash drafter directory (default: drafters/smollm2-135m/mfd)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default 96)")
-    p.add_argument("--budget", type=int, default=16, help="MFD tree budget B (default 16)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="server dtype (default bfloat16)")
+    p.add_argument("--budget", type=int, default=16, help="the largest MFD tree budget the automatic budget may "
+                   "choose, or with --fixed-budget the budget (default 16)")
+    p.add_argument("--fixed-budget", action="store_true", help="MFD at --budget in every round instead of the "
+                   "automatic budget (MFD_SGLANG_AUTO_BUDGET)")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the requests per server; speeds are "
+                   "the median pass (default 3)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="server dtype (default: float32 on the CPU, where MFD's output equals plain decoding "
+                   "token for token; bfloat16 on a GPU)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("prompts", help="list the offline prompt sets (code, chat, math) and their held-out split")

@@ -4,16 +4,22 @@
 1. prepares the embedded default target, SmolLM2-135M-Instruct (converted once from its pip
    package, cached), and takes the shipped MFD drafter `drafters/smollm2-135m/mfd`;
 2. starts a plain SGLang server, sends a few chat requests through the OpenAI client, stops it;
-3. starts the same server with `--speculative-algorithm MFD`, sends the same requests, stops it;
-4. prints the answers, tau (SGLang's average accepted tokens per verify round) and the decode speed
-   of both servers measured in this run.
-On a machine with a GPU the servers run there (`sglang.launch_server`); otherwise on the CPU through
-`mfd_sglang.cpu.launch_server`. Server logs go to a temporary folder that is printed.
+3. starts the same server with `--speculative-algorithm MFD` and the automatic budget
+   (MFD_SGLANG_AUTO_BUDGET=1: the budget, at most --budget, and plain decoding when speculation does
+   not pay, chosen from what the server measures), sends the same requests, stops it;
+4. prints the answers, tau (SGLang's average accepted tokens per verify round), the budget the server
+   chose and the speed of both servers: the median over `repeats` passes over the requests.
+On a machine with a GPU the servers run there (`sglang.launch_server`) in bfloat16; otherwise on the
+CPU through `mfd_sglang.cpu.launch_server` in float32, where MFD's answers equal plain decoding's token
+for token (in bf16 a verify of many tokens rounds otherwise than one-token decoding). Server logs go to a
+temporary folder that is printed.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,10 +39,11 @@ DEFAULT_PROMPTS = (
 @dataclass
 class ServerRun:
     label: str
-    answers: list[str] = field(default_factory=list)
-    completion_tokens: int = 0
-    seconds: float = 0.0
-    verify_rounds: int = 0  # SGLang's spec_verify_ct summed over the requests (0 without speculation)
+    answers: list[str] = field(default_factory=list)  # of the first pass
+    completion_tokens: int = 0  # per pass
+    pass_seconds: list[float] = field(default_factory=list)
+    verify_rounds: int = 0  # SGLang's spec_verify_ct summed over the first pass's requests (0 without speculation)
+    budget_choice: str | None = None  # the automatic budget's last choice for one request at a time
 
     @property
     def tau(self) -> float | None:
@@ -44,15 +51,20 @@ class ServerRun:
         return self.completion_tokens / self.verify_rounds if self.verify_rounds else None
 
     @property
+    def seconds(self) -> float:
+        """The median pass."""
+        return statistics.median(self.pass_seconds) if self.pass_seconds else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
 
 
 def serve_and_ask(label: str, cmd: list[str], port: int, prompts, max_tokens: int, log_path: Path,
-                  say=print) -> ServerRun:
+                  say=print, repeats: int = 1, env: dict | None = None) -> ServerRun:
     from openai import OpenAI
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     say(f"[demo] starting the {label} server (log: {log_path}) ...")
     run = ServerRun(label)
     with ServerProcess(cmd, log_path, port=port, env=env, startup_timeout=900) as server:
@@ -64,26 +76,39 @@ def serve_and_ask(label: str, cmd: list[str], port: int, prompts, max_tokens: in
                                                   extra_body={"return_spec_tokens_details": True})
 
         ask(prompts[0])  # warm-up: the first request pays one-time set-up costs
-        for i, prompt in enumerate(prompts, 1):
-            say(f"[demo] {label}: request {i}/{len(prompts)}")
-            start = time.perf_counter()
-            reply = ask(prompt)
-            run.seconds += time.perf_counter() - start
-            run.answers.append(reply.choices[0].message.content)
-            run.completion_tokens += reply.usage.completion_tokens
-            details = ((reply.model_extra or {}).get("sglext") or {}).get("spec_tokens_details") or {}
-            run.verify_rounds += int(details.get("spec_verify_ct", 0))
+        for r in range(repeats):
+            seconds = 0.0
+            for i, prompt in enumerate(prompts, 1):
+                say(f"[demo] {label}: pass {r + 1}/{repeats}, request {i}/{len(prompts)}")
+                start = time.perf_counter()
+                reply = ask(prompt)
+                seconds += time.perf_counter() - start
+                if r == 0:
+                    run.answers.append(reply.choices[0].message.content)
+                    run.completion_tokens += reply.usage.completion_tokens
+                    details = ((reply.model_extra or {}).get("sglext") or {}).get("spec_tokens_details") or {}
+                    run.verify_rounds += int(details.get("spec_verify_ct", 0))
+            run.pass_seconds.append(seconds)
     say(f"[demo] {label} server stopped.")
+    run.budget_choice = auto_budget_choice(log_path.read_text(errors="replace"))
     return run
 
 
+def auto_budget_choice(log: str, bucket: int = 1) -> str | None:
+    """The automatic budget's last choice for batches of <= bucket requests, read from the server's log."""
+    choices = re.findall(rf"MFD auto budget: batch size <= {bucket} -> (.*?) \(\d", log)
+    return choices[-1] if choices else None
+
+
 def run_demo(target, drafter, *, prompts=DEFAULT_PROMPTS, max_tokens: int = 96, budget: int = 16,
-             device: str | None = None, dtype: str = "bfloat16", log_dir: Path | None = None,
-             say=print) -> tuple[ServerRun, ServerRun]:
+             auto_budget: bool = True, repeats: int = 3, device: str | None = None, dtype: str | None = None,
+             log_dir: Path | None = None, say=print) -> tuple[ServerRun, ServerRun]:
+    """dtype None: float32 on the CPU (exact), bfloat16 on a GPU."""
     if device is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mfd-demo-"))
     runs = []
     for label, algorithm in (("plain", None), ("MFD", "MFD")):
@@ -91,18 +116,24 @@ def run_demo(target, drafter, *, prompts=DEFAULT_PROMPTS, max_tokens: int = 96, 
         cmd = launch_command(target, port=port, algorithm=algorithm, drafter=drafter, budget=budget,
                              device=device, dtype=dtype,
                              extra_args=["--max-running-requests", "4", "--context-length", "2048",
-                                         "--log-level", "warning"])
-        runs.append(serve_and_ask(label, cmd, port, list(prompts), max_tokens, log_dir / f"{label}.log", say))
+                                         "--log-level", "info" if algorithm and auto_budget else "warning"])
+        env = {"MFD_SGLANG_AUTO_BUDGET": "1" if algorithm and auto_budget else "0"}
+        runs.append(serve_and_ask(label, cmd, port, list(prompts), max_tokens, log_dir / f"{label}.log", say,
+                                  repeats=repeats, env=env))
     plain, mfd = runs
-    report(plain, mfd, prompts, device=device, dtype=dtype, budget=budget, say=say)
+    report(plain, mfd, prompts, device=device, dtype=dtype, budget=budget, auto_budget=auto_budget, say=say)
     return plain, mfd
 
 
-def report(plain: ServerRun, mfd: ServerRun, prompts, *, device: str, dtype: str, budget: int, say=print) -> None:
+def report(plain: ServerRun, mfd: ServerRun, prompts, *, device: str, dtype: str, budget: int, auto_budget: bool,
+           say=print) -> None:
     for i, (prompt, answer) in enumerate(zip(prompts, mfd.answers), 1):
         same = "same as plain" if answer == plain.answers[i - 1] else "differs from plain (see below)"
         say(f"\n--- request {i}: {prompt}\n{answer}\n[{same}]")
-    say(f"\n[demo] {device}, {dtype}, MFD tree budget {budget}, greedy, {len(prompts)} chat requests one at a time")
+    budget_text = (f"automatic budget (at most {budget}), chosen for one request at a time: "
+                   f"{mfd.budget_choice or 'not settled yet'}" if auto_budget else f"tree budget {budget}")
+    say(f"\n[demo] {device}, {dtype}, MFD with {budget_text}; greedy, {len(prompts)} chat requests one at a time, "
+        f"median of {len(plain.pass_seconds)} pass(es)")
     say(f"  plain: {plain.completion_tokens} tokens in {plain.seconds:.2f} s = {plain.tokens_per_second:.1f} tok/s")
     say(f"  MFD:   {mfd.completion_tokens} tokens in {mfd.seconds:.2f} s = {mfd.tokens_per_second:.1f} tok/s, "
         f"tau {mfd.tau if mfd.tau is None else round(mfd.tau, 2)}")

@@ -101,6 +101,16 @@ def build_mixture_tree(logprobs: Tensor | DraftCandidates, budget: int, *, backe
     return _select_top_budget(scores, modes, parents, tokens, budget)
 
 
+def empty_tree(bs: int, device) -> DraftTree:
+    """A batch of trees with no node ([bs, 0] fields): verifying one is plain decoding (the root's
+    row alone gives the round's one token)."""
+    def none(dtype):
+        return torch.zeros(bs, 0, dtype=dtype, device=device)
+
+    return DraftTree(tokens=none(torch.int64), parents=none(torch.int64), depths=none(torch.int64),
+                     scores=none(torch.float32), modes=none(torch.int64), valid=none(torch.bool))
+
+
 def build_chain(logprobs: Tensor, *, mode: int = 0) -> DraftTree:
     """The DFlash chain: the argmax token of `mode` at every depth, node i the child of node i-1.
 

@@ -31,11 +31,15 @@ class VerifyLayout:
     ancestor_mask: Tensor  # [bs, N, N] bool, [b, i, j]: local j is an ancestor of, or is, local i
 
 
+def with_root(root_value, nodes: Tensor) -> Tensor:
+    """[bs, N]: a root column of root_value before the nodes' column values [bs, budget] (budget may be 0)."""
+    return torch.cat([nodes.new_full((nodes.shape[0], 1), root_value), nodes], dim=1)
+
+
 def local_parents(tree: DraftTree) -> Tensor:
     """[bs, N] local index of each layout node's parent: -1 for the root, 0 (root) for padding."""
-    root = torch.full_like(tree.parents[:, :1], -1)
     # Node parents are -1 for children of the root and for padding, which both map to the root.
-    return torch.cat([root, tree.parents + 1], dim=1)
+    return with_root(-1, tree.parents + 1)
 
 
 def tree_ancestor_mask(tree: DraftTree) -> Tensor:
@@ -64,14 +68,14 @@ def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor
     parents = local_parents(tree)
     nodes = torch.arange(num_nodes, device=device)
     # Only valid tree nodes are linked; the root is nobody's child and padding is unreachable.
-    linked = torch.cat([torch.zeros_like(tree.valid[:, :1]), tree.valid], dim=1)
+    linked = with_root(False, tree.valid)
     unlinked = torch.full_like(parents, num_nodes)
     linked_nodes = torch.where(linked, nodes, unlinked)
     first_child = unlinked.scatter_reduce(1, parents.clamp(min=0), linked_nodes, "amin")
     later_sibling = (parents[:, :, None] == parents[:, None, :]) & (nodes > nodes[:, None])
     next_sibling = torch.where(later_sibling & linked[:, None, :], nodes, num_nodes).amin(dim=-1)
     next_sibling = torch.where(linked, next_sibling, num_nodes)
-    depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    depths = with_root(0, tree.depths)
     return VerifyLayout(
         draft_token=torch.cat([root_tokens[:, None].long(), tree.tokens], dim=1),
         positions=seq_lens[:, None].long() + depths,

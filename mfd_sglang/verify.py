@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mfd_sglang.tree import DraftTree
-from mfd_sglang.tree_layout import local_parents, tree_ancestor_mask
+from mfd_sglang.tree_layout import local_parents, tree_ancestor_mask, with_root
 
 
 @dataclass
@@ -75,7 +75,7 @@ def verify_tree_sampling(tree: DraftTree, target_logits: Tensor, sampling: Sampl
     root_positions + its depth; the draw after it (the token its children are matched against)
     uses that position's coin.
     """
-    depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    depths = with_root(0, tree.depths)
     target_tokens = sample_from_logits(target_logits, sampling, root_positions[:, None] + depths)
     return _accept_path(tree, target_tokens)
 
@@ -172,9 +172,9 @@ def _accept_path(tree: DraftTree, target_tokens: Tensor) -> TreeVerifyResult:
     bs, budget = tree.tokens.shape
     parents = local_parents(tree)
     matched = (tree.tokens == target_tokens.gather(1, parents[:, 1:])) & tree.valid
-    matched = torch.cat([torch.ones_like(matched[:, :1]), matched], dim=1)  # the root
+    matched = with_root(True, matched)
     accepted = ~(tree_ancestor_mask(tree) & ~matched[:, None, :]).any(dim=-1)
-    depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
+    depths = with_root(0, tree.depths)
     # The root (depth 0) is always accepted, so the deepest accepted node exists.
     last = torch.where(accepted, depths, -1).argmax(dim=-1, keepdim=True)
     accept_lens = depths.gather(1, last) + 1
@@ -183,7 +183,7 @@ def _accept_path(tree: DraftTree, target_tokens: Tensor) -> TreeVerifyResult:
     no_node = torch.full((bs, budget + 1), -1, dtype=torch.long, device=tree.tokens.device)
     accepted_nodes = torch.where(accepted[:, 1:], nodes, -1)
     path = no_node.scatter_reduce(1, tree.depths - 1, accepted_nodes, "amax")
-    path_tokens = tree.tokens.gather(1, (path - 1).clamp(min=0))
+    path_tokens = with_root(0, tree.tokens).gather(1, path.clamp(min=0))  # by local index
     accepted_tokens = torch.where(path >= 0, path_tokens, -1)
     accepted_tokens.scatter_(1, accept_lens - 1, bonus_tokens)
     return TreeVerifyResult(

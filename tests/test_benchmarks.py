@@ -145,3 +145,28 @@ def test_server_section_names_its_attention_backend(dtype, want):
         ("float32", True, 1), ("bfloat16", True, 1), ("float32", True, 16), ("float32", False, 1),
         ("bfloat16", False, 1)]
     assert [c.dtype for c in server_configs("cpu")] == ["float32"]
+
+
+def test_server_section_adds_the_automatic_budget_on_a_gpu():
+    from server_exactness import servers
+
+    assert [name for name, _, _ in servers("cpu")] == ["plain", "MFD", "MFD_D"]
+    assert servers("cuda")[-1] == ("MFD_D auto", "MFD_D", {"MFD_SGLANG_AUTO_BUDGET": "1"})
+
+
+def test_closed_loop_compares_auto_with_ar_and_the_best_fixed_budget():
+    from closed_loop import compare_auto, split_config
+
+    assert [split_config(n) for n in ("ar", "mfd_d@8", "mfd_d@auto")] == [("ar", None), ("mfd_d", "8"), ("mfd_d", "auto")]
+
+    def run(speed):
+        return {"decode_tokens_per_second": speed}
+
+    results = {"ar": {"1": run(10.0), "4": run(40.0)}, "mfd_d@8": {"1": run(15.0), "4": run(30.0)},
+               "mfd_d@16": {"1": run(12.0), "4": run(36.0)}, "mfd_d@auto": {"1": run(14.4), "4": run(39.2)},
+               "mfd@auto": {"1": run(11.0), "4": run(20.0)}}
+    report = compare_auto(results)
+    assert report["mfd_d@auto"]["1"] == {"vs_ar": pytest.approx(1.44), "best_fixed": "mfd_d@8",
+                                         "vs_best_fixed": pytest.approx(0.96)}
+    assert report["mfd_d@auto"]["4"]["best_fixed"] == "mfd_d@16"
+    assert report["mfd@auto"]["4"] == {"vs_ar": pytest.approx(0.5)}  # no fixed mfd budget was run

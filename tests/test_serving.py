@@ -75,6 +75,15 @@ def test_validate_server_args_rejects_more_modes_than_the_drafter_has(tiny_pair,
         validate_server_args(_server_args(tiny_pair))
 
 
+def test_validate_server_args_refuses_the_automatic_budget_under_tensor_parallelism(tiny_pair, monkeypatch):
+    from mfd_sglang.serving.algorithms import validate_server_args
+
+    monkeypatch.setenv("MFD_SGLANG_AUTO_BUDGET", "1")
+    validate_server_args(_server_args(tiny_pair))
+    with pytest.raises(ValueError, match="MFD_SGLANG_AUTO_BUDGET=1 with --tp-size 2"):
+        validate_server_args(_server_args(tiny_pair, tp_size=2))
+
+
 def test_last_target_layer_is_rejected(tiny_pair, tmp_path):
     from mfd_sglang.checkpoint import CheckpointError
     from mfd_sglang.serving.algorithms import check_capturable_layers
@@ -304,7 +313,8 @@ def _draft_graph_worker(tiny_pair, device: str):
 def check_draft_graphs_match_eager(tiny_pair, device: str, use_graph: bool):
     """The worker's draft + tree + layout, replayed at padded batch sizes (rows of other requests, or
     pad rows with an empty context, beside it), gives each request the tree and verify layout it gets
-    when drafted alone."""
+    when drafted alone, for each arm (drafting path, budget: the launch budget and a smaller one, as
+    the automatic budget captures them)."""
     from mfd_sglang.cuda_graph import BatchGraphs
 
     worker, table = _draft_graph_worker(tiny_pair, device)
@@ -312,16 +322,18 @@ def check_draft_graphs_match_eager(tiny_pair, device: str, use_graph: bool):
                          lambda bs: [torch.zeros(bs, dtype=torch.int64, device=device) for _ in range(3)],
                          [1, 2, 4, 6], use_graph=use_graph)
     gen = torch.Generator().manual_seed(3)
-    for bs, single_mode in [(3, False), (1, True), (5, False), (2, True), (6, False)]:
+    small = min(4, worker.budget - 1)
+    for bs, arm in [(3, (False, worker.budget)), (1, (True, worker.budget)), (5, (False, small)),
+                    (2, (True, small)), (6, (False, worker.budget))]:
         requests_ = torch.randperm(table.shape[0], generator=gen)[:bs].to(device)
         roots = torch.randint(0, worker.drafter.cfg.vocab_size, (bs,), generator=gen).to(device)
         lens = torch.randint(1, table.shape[1] - 20, (bs,), generator=gen).to(device)
-        tree, layout = graphs(roots, lens, requests_, key=single_mode)
-        num_nodes = worker.budget + 1
+        tree, layout = graphs(roots, lens, requests_, key=arm)
+        num_nodes = arm[1] + 1
         assert torch.equal(layout.retrive_index.flatten().cpu(), torch.arange(bs * num_nodes))
         for b in range(bs):
             alone, alone_layout = worker.draft_paged_tree(roots[b:b + 1], lens[b:b + 1], requests_[b:b + 1],
-                                                          key=single_mode)
+                                                          key=arm)
             torch.testing.assert_close(tree.scores[b:b + 1], alone.scores, rtol=1e-4, atol=1e-4)
             assert torch.equal(tree.tokens[b:b + 1], alone.tokens) and torch.equal(tree.parents[b:b + 1], alone.parents)
             for name in ("draft_token", "positions", "retrive_next_token", "retrive_next_sibling", "ancestor_mask"):

@@ -97,9 +97,28 @@ def test_demo_code_path_short(tiny_pair, tmp_path):
 
     lines = []
     plain, mfd = run_demo(tiny_pair / "target", tiny_pair / "drafter", prompts=["one two three"], max_tokens=8,
-                          budget=8, device="cpu", dtype="float32", log_dir=tmp_path, say=lines.append)
+                          budget=8, repeats=2, device="cpu", log_dir=tmp_path, say=lines.append)
     assert plain.completion_tokens == mfd.completion_tokens > 0
-    assert mfd.answers == plain.answers  # fp32: exact
-    assert mfd.tau is not None and mfd.tau > 1 and plain.tau is None
+    assert mfd.answers == plain.answers  # float32 on the CPU by default: exact
+    assert mfd.tau is not None and mfd.tau >= 1 and plain.tau is None  # auto may settle on plain decoding
+    assert len(plain.pass_seconds) == len(mfd.pass_seconds) == 2
     text = "\n".join(lines)
     assert "starting the MFD server" in text and "speed of MFD against plain" in text
+    assert "cpu, float32, MFD with automatic budget (at most 8)" in text and "median of 2 pass(es)" in text
+
+
+def test_demo_reads_the_automatic_budgets_choice_from_the_log(caplog):
+    """What the demo prints as the budget chosen is the chooser's own last log line for batches of 1."""
+    import logging
+
+    from mfd_sglang.demo import auto_budget_choice
+    from mfd_sglang.serving.budget import BudgetChooser, describe
+
+    chooser = BudgetChooser(8)
+    with caplog.at_level(logging.INFO, logger="mfd_sglang.serving.budget"):
+        assert auto_budget_choice(caplog.text) is None
+        for _ in range(20):  # plain decoding is cheaper and a tree of any size accepts nothing here
+            arm = chooser.choose(1)
+            chooser.record_acceptance(arm, [[1] * len(chooser.measured_budgets(arm))])
+            chooser.record_round_time(1, arm, 0.01 + 0.001 * arm[1])
+    assert auto_budget_choice(caplog.text) == describe((False, 0)) == "plain decoding (budget 0)"

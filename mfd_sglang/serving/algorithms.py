@@ -181,6 +181,11 @@ def validate_server_args(server_args) -> None:
     if refusal:
         raise ValueError(refusal)
     options = read_options()
+    if options.auto_budget and int(server_args.tp_size or 1) > 1:
+        # Each rank would choose from its own round times: the ranks could verify different trees.
+        raise ValueError(f"MFD_SGLANG_AUTO_BUDGET=1 with --tp-size {server_args.tp_size}: the automatic "
+                         "budget runs with one rank only for now; use a fixed budget "
+                         "(--speculative-num-draft-tokens) under tensor parallelism.")
     if server_args.speculative_num_draft_tokens is not None:
         budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from mfd_sglang.drafter import MFDDrafter
+from mfd_sglang.tree_layout import with_root
 from mfd_sglang.verify import TreeVerifyResult
 
 from .draft_context_pool import DraftContextPool
@@ -24,7 +25,7 @@ def committed_window_path(result: TreeVerifyResult, width: int) -> torch.Tensor:
     """[bs, width] window indices of the committed tokens in order: the root (0), then the accepted
     nodes by depth, then -1 past each request's accepted path."""
     path = result.accepted_local_indices[:, : width - 1]
-    return torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)
+    return with_root(0, path)
 
 
 def commit_round(result: TreeVerifyResult, window_hidden: torch.Tensor, seq_lens: torch.Tensor,

@@ -11,6 +11,10 @@ scheduler processes inherit. The tree budget uses SGLang's own flag:
                                         many requests run in a decode batch, and with all K modes
                                         below it.
     MFD_SGLANG_NUM_MODES=K'             draft with the drafter's first K' modes only (default: all).
+    MFD_SGLANG_AUTO_BUDGET=1            pick the budget (0: plain decoding, up to B) and, for MFD_D,
+                                        the drafting path per decode batch from acceptance and round
+                                        times measured while serving (`budget`); B from the flag above
+                                        is then the largest. Not with MFD_SGLANG_SWITCH_THRESHOLD.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 SWITCH_THRESHOLD_ENV = "MFD_SGLANG_SWITCH_THRESHOLD"
 NUM_MODES_ENV = "MFD_SGLANG_NUM_MODES"
+AUTO_BUDGET_ENV = "MFD_SGLANG_AUTO_BUDGET"
 DEFAULT_SWITCH_THRESHOLD = 3
 MAX_BUDGET = 1024
 
@@ -32,6 +37,7 @@ def default_num_draft_tokens(device: str) -> int:
 class MFDOptions:
     switch_threshold: int = DEFAULT_SWITCH_THRESHOLD
     num_modes: int | None = None  # None: every mode of the drafter
+    auto_budget: bool = False
 
 
 def _positive_int(environ, name: str) -> int | None:
@@ -52,9 +58,16 @@ def read_options(environ=None) -> MFDOptions:
     """The options from the environment; ValueError naming the variable when one is malformed."""
     env = os.environ if environ is None else environ
     threshold = _positive_int(env, SWITCH_THRESHOLD_ENV)
+    auto = env.get(AUTO_BUDGET_ENV, "")
+    if auto not in ("", "0", "1"):
+        raise ValueError(f"{AUTO_BUDGET_ENV}={auto!r}: set it to 1 (automatic budget) or 0 / unset (fixed).")
+    if auto == "1" and threshold is not None:
+        raise ValueError(f"{AUTO_BUDGET_ENV}=1 chooses MFD_D's drafting path itself; unset "
+                         f"{SWITCH_THRESHOLD_ENV}={env[SWITCH_THRESHOLD_ENV]} (or the automatic budget).")
     return MFDOptions(
         switch_threshold=DEFAULT_SWITCH_THRESHOLD if threshold is None else threshold,
         num_modes=_positive_int(env, NUM_MODES_ENV),
+        auto_budget=auto == "1",
     )
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections import deque
 
 import torch
 
@@ -49,12 +50,13 @@ from sglang.srt.utils import async_h2d
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
 from mfd_sglang.drafter import MFDDrafter
-from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree
+from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree, empty_tree
 from mfd_sglang.tree_layout import VerifyLayout, full_custom_mask, tree_to_verify_layout
-from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
-                               verify_tree_sampling)
+from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, sub_budget_accept_lens,
+                               verify_tree_greedy, verify_tree_sampling)
 
 from .algorithms import check_tree_verify_attention
+from .budget import Arm, BudgetChooser, RoundClock
 from .commit import commit_round, committed_window_path
 from .draft_context_pool import DraftContextPool
 from .memory import memory_plan
@@ -120,6 +122,17 @@ def attach_logprobs(batch, logits_output, logits: torch.Tensor, tokens: torch.Te
         setattr(logits_output, name, getattr(rows, name))
 
 
+def pad_result(result: TreeVerifyResult, width: int) -> TreeVerifyResult:
+    """The result of a round verified with a smaller tree, widened with -1 columns to `width`
+    (the launch budget's B + 1, the row width SGLang reads every round)."""
+    extra = width - result.accepted_tokens.shape[1]
+    if extra == 0:
+        return result
+    pad = torch.nn.functional.pad
+    return dataclasses.replace(result, accepted_tokens=pad(result.accepted_tokens, (0, extra), value=-1),
+                               accepted_local_indices=pad(result.accepted_local_indices, (0, extra), value=-1))
+
+
 class MFDWorkerV2(BaseSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__()
@@ -145,6 +158,16 @@ class MFDWorkerV2(BaseSpecWorker):
             self.drafter.mode_embed.data = self.drafter.mode_embed.data[: options.num_modes]
         self.switch_threshold = options.switch_threshold if algorithm.name == "MFD_D" else None
         self.single_mode = False  # MFD_D's current path, logged when it switches
+        # The automatic budget: per decode batch, (path, budget) from measured acceptance and cost.
+        self.budget_chooser = self.round_clock = None
+        if options.auto_budget:
+            paths = (False, True) if algorithm.name == "MFD_D" else (False,)
+            self.budget_chooser = BudgetChooser(self.budget, paths=paths)
+            self.round_clock = RoundClock()
+            self.switch_threshold = None
+            # (arm, committed tokens per request and budget: [bs, budgets], copied to the host without a
+            # sync, event) of rounds whose acceptance is not yet recorded
+            self.pending_acceptance: deque = deque()
         on_cuda = str(self.device).startswith("cuda")
         self.tree_backend = "triton" if on_cuda else "torch"
         sliding = any(self.drafter.cfg.is_sliding(i) for i in range(self.drafter.cfg.num_hidden_layers))
@@ -174,10 +197,12 @@ class MFDWorkerV2(BaseSpecWorker):
         self.context_pool: DraftContextPool | None = None
         self.draft_graphs: BatchGraphs | None = None
         cfg = self.drafter.cfg
-        logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d), tree budget %d, "
+        logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d), tree budget %s, "
                     "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm.name,
                     spec.speculative_draft_model_path, cfg.num_hidden_layers, self.drafter.mode_embed.shape[0],
-                    cfg.block_size, self.budget, self.switch_threshold or "never", self.tree_backend,
+                    cfg.block_size, f"auto (at most {self.budget}, from {self.budget_chooser.budgets})"
+                    if self.budget_chooser else self.budget,
+                    "auto" if self.budget_chooser else self.switch_threshold or "never", self.tree_backend,
                     self.mode_attention_backend or "padded copy (sliding layers)")
 
     # --- SGLang lifecycle ---------------------------------------------------------------------
@@ -214,9 +239,13 @@ class MFDWorkerV2(BaseSpecWorker):
         def example_inputs(bs: int):  # also the pad rows: token 0, empty context, request slot 0
             return [torch.zeros(bs, dtype=torch.int64, device=self.device) for _ in range(3)]
 
+        if self.budget_chooser is not None:
+            keys = [arm for arm in self.budget_chooser.arms if arm[1] > 0]
+        else:
+            keys = [(single, self.budget) for single in ((False, True) if self.switch_threshold is not None else (False,))]
         self.draft_graphs = BatchGraphs(self.draft_paged_tree, example_inputs, default_buckets(max_bs), use_graph=True)
         with torch.inference_mode():
-            self.draft_graphs.capture_all(keys=(False, True) if self.switch_threshold is not None else (False,))
+            self.draft_graphs.capture_all(keys=keys)
         logger.info("MFD: draft + tree + layout CUDA graphs captured for batch sizes %s", self.draft_graphs.buckets)
 
     def clear_cache_pool(self):
@@ -228,6 +257,8 @@ class MFDWorkerV2(BaseSpecWorker):
         if batch.forward_mode.is_idle():
             raise RuntimeError("MFD does not support idle batches (data-parallel attention is rejected at launch).")
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            if self.round_clock is not None:
+                self.round_clock.other_forward()
             return self.forward_prefill(batch, on_publish)
         return self.forward_decode(batch, on_publish, grammar_barrier)
 
@@ -276,13 +307,9 @@ class MFDWorkerV2(BaseSpecWorker):
         if seq_lens.is_cuda:  # gathered on the schedule stream (overlap): keep it alive on this one
             seq_lens.record_stream(torch.cuda.current_stream(seq_lens.device))
         roots = draft_input.bonus_tokens.reshape(-1).long()
-        single_mode = self.switch_threshold is not None and len(batch.reqs) >= self.switch_threshold
-        if single_mode != self.single_mode:
-            self.single_mode = single_mode
-            logger.info("MFD_D: %d running requests, switching to the %s path", len(batch.reqs),
-                        "single-mode" if single_mode else f"{self.drafter.mode_embed.shape[0]}-mode")
+        arm = self.choose_arm(len(batch.reqs))
 
-        tree, layout = self.draft_tree(batch, roots, seq_lens, single_mode)
+        tree, layout = self.draft_tree(batch, roots, seq_lens, arm)
         # Grammar requests: the tree goes to the host while the verify runs (SGLang's EAGLE path).
         grammar_tree = (GrammarTree.from_device(layout.retrive_next_token, layout.retrive_next_sibling,
                                                 layout.draft_token) if batch.has_grammar else None)
@@ -294,6 +321,9 @@ class MFDWorkerV2(BaseSpecWorker):
                                                     device=logits.device, barrier=grammar_barrier)
         result, logits = self.accept(tree, layout, logits, batch, seq_lens, grammar_mask)
         self.from_rank0(result)
+        if self.budget_chooser is not None:
+            self.measure_acceptance(arm, result)
+        result = pad_result(result, self.speculative_num_draft_tokens)
         accept_lens = result.accept_lens.to(torch.int32)
         new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
         if on_publish is not None:  # the lengths are known: the scheduler may prepare the next batch
@@ -337,47 +367,92 @@ class MFDWorkerV2(BaseSpecWorker):
             else:  # collectives take contiguous buffers
                 tensor.copy_(self.tp_group.broadcast(tensor.contiguous(), src=0))
 
+    # --- the round's tree: its drafting path and budget ------------------------------------------
+    def choose_arm(self, bs: int) -> Arm:
+        """(single-mode path, budget) of this round: the automatic budget's choice, else the launch
+        budget on MFD_D's path for bs running requests (single mode from the threshold on)."""
+        if self.budget_chooser is not None:
+            self.record_finished_acceptance()
+            arm = self.budget_chooser.choose(bs)
+            timing = self.round_clock.decode_round(bs, arm)
+            if timing is not None:
+                self.budget_chooser.record_round_time(*timing)
+            return arm
+        single_mode = self.switch_threshold is not None and bs >= self.switch_threshold
+        if single_mode != self.single_mode:
+            self.single_mode = single_mode
+            logger.info("MFD_D: %d running requests, switching to the %s path", bs,
+                        "single-mode" if single_mode else f"{self.drafter.mode_embed.shape[0]}-mode")
+        return single_mode, self.budget
+
+    def measure_acceptance(self, arm: Arm, result: TreeVerifyResult) -> None:
+        """Start the host copy of what every budget <= the round's would have committed; recorded once
+        the copy is done (a later round), so the round never waits for it."""
+        budgets = torch.tensor(self.budget_chooser.measured_budgets(arm), device=result.accept_lens.device)
+        committed = sub_budget_accept_lens(result, budgets)
+        done = None
+        if committed.is_cuda:
+            committed = committed.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.pending_acceptance.append((arm, committed, done))
+
+    def record_finished_acceptance(self) -> None:
+        while self.pending_acceptance and (self.pending_acceptance[0][2] is None or self.pending_acceptance[0][2].query()):
+            arm, committed, _ = self.pending_acceptance.popleft()
+            self.budget_chooser.record_acceptance(arm, committed.tolist())
+
     # --- the stages of a round ------------------------------------------------------------------
-    def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor,
-                   single_mode: bool) -> tuple[DraftTree, VerifyLayout]:
-        """draft + tree (and its verify layout): a CUDA-graph replay when captured for this batch
-        size, else eager; the context is read in place (mode attention), or for drafters with
-        sliding-window layers copied into a padded DraftContext."""
+    def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor, arm: Arm) -> tuple[DraftTree, VerifyLayout]:
+        """draft + tree (and its verify layout) of arm (single-mode path, budget): a CUDA-graph replay
+        when captured for this batch size, else eager; the context is read in place (mode attention), or
+        for drafters with sliding-window layers copied into a padded DraftContext. Budget 0: no draft,
+        the root alone (plain decoding)."""
+        single_mode, budget = arm
+        if budget == 0:
+            return self.layout(empty_tree(roots.shape[0], roots.device), roots, seq_lens)
         if self.draft_graphs is not None and seq_lens.shape[0] <= self.draft_graphs.max_bs:
-            return self.draft_graphs(roots, seq_lens, batch.req_pool_indices, key=single_mode)
+            return self.draft_graphs(roots, seq_lens, batch.req_pool_indices, key=arm)
         if self.mode_attention_backend is not None:
-            return self.draft_paged_tree(roots, seq_lens, batch.req_pool_indices, key=single_mode)
+            return self.draft_paged_tree(roots, seq_lens, batch.req_pool_indices, key=arm)
         width = int(reserved_lens(batch).max())
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
-        return self.build_tree(self.draft(roots, seq_lens, self.context_pool.gather(slots, seq_lens), single_mode),
-                               roots, seq_lens)
+        context = self.context_pool.gather(slots, seq_lens)
+        return self.build_tree(self.draft(roots, seq_lens, context, single_mode, budget), roots, seq_lens, budget)
 
-    def draft(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, single_mode: bool) -> DraftCandidates:
-        """The drafter's B best tokens per (mode, position) of the blocks `[root, MASK...]` at positions
-        seq_lens.., with their log-probs: all the tree reads, scored over the vocabulary in chunks so
-        that no [bs, K, D, V] tensor is ever made."""
+    def draft(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, single_mode: bool,
+              budget: int) -> DraftCandidates:
+        """The drafter's `budget` best tokens per (mode, position) of the blocks `[root, MASK...]` at
+        positions seq_lens.., with their log-probs: all the tree reads, scored over the vocabulary in
+        chunks so that no [bs, K, D, V] tensor is ever made."""
         return self.drafter.block_candidates(roots, seq_lens, context, self.embed_weight, self.head_weight,
-                                             self.budget, single_mode=single_mode)
+                                             budget, single_mode=single_mode)
 
     def draft_paged_tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, *,
-                         key: bool) -> tuple[DraftTree, VerifyLayout]:
+                         key: Arm) -> tuple[DraftTree, VerifyLayout]:
         """draft + tree + layout over the context read in place: fixed shapes, what the CUDA graphs replay
-        (key: the single-mode path)."""
+        (key: the arm, (single-mode path, budget))."""
+        single_mode, budget = key
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         context = self.context_pool.paged(req_to_token, req_pool_indices, seq_lens, self.mode_attention_backend)
-        return self.build_tree(self.draft(roots, seq_lens, context, key), roots, seq_lens)
+        return self.build_tree(self.draft(roots, seq_lens, context, single_mode, budget), roots, seq_lens, budget)
 
-    def build_tree(self, candidates: DraftCandidates, roots: torch.Tensor,
-                   seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
+    def build_tree(self, candidates: DraftCandidates, roots: torch.Tensor, seq_lens: torch.Tensor,
+                   budget: int) -> tuple[DraftTree, VerifyLayout]:
         """The mixture tree (target token ids) and its SGLang verify layout (fixed shapes)."""
-        tree = build_mixture_tree(candidates, self.budget, backend=self.tree_backend)
+        tree = build_mixture_tree(candidates, budget, backend=self.tree_backend)
         tree.tokens = self.drafter.to_target_ids(tree.tokens)
+        return self.layout(tree, roots, seq_lens)
+
+    @staticmethod
+    def layout(tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
         return tree, tree_to_verify_layout(tree, roots, seq_lens)
 
     def verify(self, batch, layout: VerifyLayout, seq_lens: torch.Tensor):
-        """One target forward over [root, B nodes] per request through SGLang's tree-verify path."""
-        bs, num_nodes = seq_lens.shape[0], self.speculative_num_draft_tokens
+        """One target forward over [root, tree nodes] per request through SGLang's tree-verify path
+        (the launch budget's window, or a smaller one under the automatic budget)."""
+        bs, num_nodes = layout.draft_token.shape
         # Any upper bound on sum(seq_lens) sizes the flat mask; the cells are placed from seq_lens.
         lens_sum = int(reserved_lens(batch).sum())
         custom_mask = full_custom_mask(layout.ancestor_mask, seq_lens,
@@ -419,7 +494,7 @@ class MFDWorkerV2(BaseSpecWorker):
         each node's logits adjusted as the plain server would after its path (penalties,
         min_new_tokens, logit_bias; the grammar's mask in the state the path leads to). Also returns
         those logits [bs, N, V] (float32)."""
-        logits = logits.view(seq_lens.shape[0], self.speculative_num_draft_tokens, -1).float()
+        logits = logits.view(*layout.draft_token.shape, -1).float()
         penalties = output_penalties(batch.sampling_info)
         if penalties is not None:
             adjust_node_logits(logits, layout, penalties)
@@ -439,10 +514,13 @@ class MFDWorkerV2(BaseSpecWorker):
         `move_accept_tokens_to_target_kvcache`); drafter context K/V of the committed tokens (root +
         accepted nodes) into their slots. The stage itself is `commit_round`, shared with the
         round-cost benchmark."""
-        bs, num_nodes = seq_lens.shape[0], self.speculative_num_draft_tokens
+        bs = seq_lens.shape[0]
+        num_nodes = verify_batch.spec_info.draft_token_num  # the round's window: root + its tree
         allocator = self.model_runner.token_to_kv_pool_allocator
 
         def move_target_kv(path: torch.Tensor) -> None:
+            if num_nodes == 1:  # a plain-decoding round: the root's K/V is already where it belongs
+                return
             # SGLang indexes the batch's flat verify window (request b's node i: b * N + i).
             base = torch.arange(bs, device=path.device)[:, None] * num_nodes
             accept_index = torch.where(path >= 0, base + path, -1)

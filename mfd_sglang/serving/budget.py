@@ -1,0 +1,225 @@
+"""The automatic tree budget (MFD_SGLANG_AUTO_BUDGET=1): for each decode batch, the drafting path and
+budget that commit the most tokens per second, from acceptance and cost measured while serving.
+
+Arms. An arm is (path, budget): budget from `candidate_budgets` (0, 4, 8, 16, ... up to the launch
+budget B, which is always one), where budget 0 is plain decoding (no draft: only the root is verified,
+and the target's token after it is the round's one token); path False is the K-mode draft, True
+MFD_D's single-mode path (MFD has only the K-mode path).
+
+Acceptance, per (path, budget): tokens committed per request and round, a decayed mean over the
+rounds that measured it. A round at budget b measures every budget <= b of its path at once and
+exactly (`verify.sub_budget_accept_lens`: the first b' nodes of a mixture tree are the tree of
+budget b'). It does not depend on the batch size (a request's acceptance is its own).
+
+Cost, per (batch-size bucket, arm): seconds per round, a decayed mean of the time from one decode
+round's start to the next's (`RoundClock`): the scheduler's share and, under overlap scheduling, the
+pipeline's pace are in it, and it needs no device sync. Buckets are powers of two (bs 3 counts as 4).
+
+Choice, per round: the arm with the most tokens per request per second, tokens(path, b) /
+seconds(bucket, arm), optimistic where a value is missing:
+  - acceptance of a path measured on fewer than `min_requests` request-rounds: play that path's largest
+    budget (one round measures every budget of the path);
+  - cost of an arm never timed at this bucket: bounded below by the dearest timed arm of the same
+    path and a smaller budget (a bigger tree costs no less) or by plain decoding's; the arm is played
+    when that bound could beat the best timed arm, so only arms that might win are explored;
+  - a probe round plays the next larger budget of the chosen path (or the smallest drafted one after
+    plain decoding) once, so that acceptance and cost above the choice stay current as requests and
+    lengths change: `probe_every` rounds after the choice changed, then at twice the last interval
+    (up to `max_probe_interval`) while it holds, so a settled choice pays little for its probes; a
+    probe arm measured at under `probe_floor` of the choice's value is not played (its acceptance
+    would have to grow by that factor to matter).
+The choice is host-side Python over a few dozen numbers; it is logged when it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+Arm = tuple[bool, int]  # (single-mode path, budget)
+
+
+def candidate_budgets(max_budget: int) -> tuple[int, ...]:
+    """0, then powers of two from 4 below max_budget, then max_budget itself."""
+    budgets, b = [0], 4
+    while b < max_budget:
+        budgets.append(b)
+        b *= 2
+    return tuple(budgets + [max_budget])
+
+
+def batch_bucket(bs: int) -> int:
+    """The power of two >= bs."""
+    return 1 << max(bs - 1, 0).bit_length()
+
+
+@dataclass
+class DecayedMean:
+    """A mean whose old samples fade: each new sample scales the past weight by `decay`."""
+
+    decay: float
+    total: float = 0.0
+    weight: float = 0.0
+    samples: int = 0
+
+    def update(self, total: float, count: int) -> None:
+        """Add `count` samples summing to `total`."""
+        fade = self.decay ** count
+        self.total = fade * self.total + total
+        self.weight = fade * self.weight + count
+        self.samples += count
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight > 0 else None
+
+
+@dataclass
+class BudgetChooser:
+    max_budget: int
+    paths: tuple[bool, ...] = (False,)  # MFD_D: (False, True)
+    probe_every: int = 32
+    max_probe_interval: int = 512
+    probe_floor: float = 0.7
+    min_timings: int = 2  # rounds timed before an arm's cost counts as measured
+    min_requests: int = 8  # request-rounds before an arm's acceptance counts as measured
+    acceptance_decay: float = 0.995  # per request-round (a request's acceptance changes slowly)
+    hysteresis: float = 0.02  # another arm takes over when it is this much better than the current one
+    cost_decay: float = 0.8  # per timed round
+    budgets: tuple[int, ...] = field(init=False)
+    acceptance: dict[tuple[bool, int], DecayedMean] = field(init=False)
+    costs: dict[tuple[int, Arm], DecayedMean] = field(init=False)
+    rounds: dict[int, int] = field(init=False)
+    chosen: dict[int, Arm] = field(init=False)
+    explored: set[tuple[int, Arm]] = field(init=False)
+    next_probe: dict[int, tuple[int, int]] = field(init=False)  # bucket: (round of the next probe, interval)
+
+    def __post_init__(self) -> None:
+        self.budgets = candidate_budgets(self.max_budget)
+        self.acceptance = {}
+        self.costs, self.rounds, self.chosen, self.explored = {}, {}, {}, set()
+        self.next_probe = {}
+
+    @property
+    def arms(self) -> list[Arm]:
+        return [(False, 0)] + [(path, b) for path in self.paths for b in self.budgets[1:]]
+
+    # --- measurements ------------------------------------------------------------------------
+    def record_acceptance(self, arm: Arm, committed: list[list[int]]) -> None:
+        """committed[r][i]: tokens request r committed, or would have had its tree held only
+        budgets[i] nodes, for every budget <= arm's (`sub_budget_accept_lens` at `measured_budgets`)."""
+        path, _ = arm
+        for i, b in enumerate(self.measured_budgets(arm)):
+            key = (False, 0) if b == 0 else (path, b)
+            mean = self.acceptance.setdefault(key, DecayedMean(self.acceptance_decay))
+            mean.update(float(sum(row[i] for row in committed)), len(committed))
+
+    def record_round_time(self, bs: int, arm: Arm, seconds: float) -> None:
+        self.costs.setdefault((batch_bucket(bs), arm), DecayedMean(self.cost_decay)).update(seconds, 1)
+
+    def measured_budgets(self, arm: Arm) -> list[int]:
+        """The budgets a round at arm measures the acceptance of (all <= its budget)."""
+        return [b for b in self.budgets if b <= arm[1]]
+
+    # --- the choice --------------------------------------------------------------------------
+    def tokens(self, arm: Arm) -> float | None:
+        if arm[1] == 0:
+            return 1.0  # plain decoding commits one token per round, always
+        mean = self.acceptance.get(arm)
+        return None if mean is None or mean.samples < self.min_requests else mean.value
+
+    def cost(self, bucket: int, arm: Arm) -> float | None:
+        mean = self.costs.get((bucket, arm))
+        return None if mean is None or mean.samples < self.min_timings else mean.value
+
+    def cost_floor(self, bucket: int, arm: Arm) -> float:
+        """A lower bound of an untimed arm's cost: the dearest timed arm of its path below it, or plain
+        decoding; 0 when none is timed."""
+        path, budget = arm
+        below = [self.cost(bucket, (path, b)) for b in self.budgets if 0 < b < budget]
+        below.append(self.cost(bucket, (False, 0)))
+        return max((c for c in below if c is not None), default=0.0)
+
+    def choose(self, bs: int) -> Arm:
+        bucket = batch_bucket(bs)
+        count = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
+        for path in self.paths:  # a path whose acceptance was never measured: its largest tree
+            if self.tokens((path, self.max_budget)) is None:
+                return self.explore(bucket, (path, self.max_budget))
+        values = {}
+        for arm in self.arms:
+            cost = self.cost(bucket, arm)
+            if cost is None:
+                floor = self.cost_floor(bucket, arm)
+                if floor <= 0:
+                    return self.explore(bucket, arm)  # nothing to bound it with yet: time it
+                values[arm] = (self.tokens(arm) / floor, False)
+            else:
+                values[arm] = (self.tokens(arm) / cost, True)
+        timed = {arm: v for arm, (v, measured) in values.items() if measured}
+        best = max(timed, key=timed.get) if timed else None
+        current = self.chosen.get(bucket)
+        if best is not None and current in timed and timed[best] <= (1 + self.hysteresis) * timed[current]:
+            best = current  # not clearly better: keep the current choice (noise would flip it)
+        untimed = [arm for arm, (v, measured) in values.items() if not measured]
+        promising = [arm for arm in untimed if best is None or values[arm][0] > timed[best]]
+        if promising:  # optimism: an arm whose best case beats the best measured one is timed
+            return self.explore(bucket, max(promising, key=lambda arm: values[arm][0]))
+        if self.chosen.get(bucket) != best:
+            self.next_probe[bucket] = (count + self.probe_every, self.probe_every)
+        probe_round, interval = self.next_probe[bucket]
+        if count >= probe_round:
+            self.next_probe[bucket] = (count + 2 * interval, min(2 * interval, self.max_probe_interval))
+            probe = self.probe(best)
+            if probe in timed and timed[probe] >= self.probe_floor * timed[best]:
+                return probe
+        if self.chosen.get(bucket) != best:
+            self.chosen[bucket] = best
+            logger.info("MFD auto budget: batch size <= %d -> %s (%.2f tokens per request per round, "
+                        "%.1f ms per round)", bucket, describe(best), self.tokens(best),
+                        1e3 * self.cost(bucket, best))
+        return best
+
+    def explore(self, bucket: int, arm: Arm) -> Arm:
+        if (bucket, arm) not in self.explored:
+            self.explored.add((bucket, arm))
+            logger.info("MFD auto budget: timing %s at batch size <= %d", describe(arm), bucket)
+        return arm
+
+    def probe(self, arm: Arm) -> Arm:
+        """The next larger budget of arm's path (after plain decoding: the smallest drafted one of the
+        K-mode path); arm itself at the largest."""
+        path, budget = arm
+        larger = [b for b in self.budgets if b > budget]
+        return (path, larger[0]) if larger else arm
+
+
+def describe(arm: Arm) -> str:
+    path, budget = arm
+    if budget == 0:
+        return "plain decoding (budget 0)"
+    return f"budget {budget}, {'single-mode' if path else 'K-mode'} draft"
+
+
+class RoundClock:
+    """The time from one decode round's start to the next's, attributed to the first round's arm and
+    batch size. A prefill (or anything that is not a decode round) in between drops the interval."""
+
+    def __init__(self) -> None:
+        self.last: tuple[float, int, Arm] | None = None
+
+    def decode_round(self, bs: int, arm: Arm) -> tuple[int, Arm, float] | None:
+        """Mark a decode round's start; returns the previous round's (bs, arm, seconds) when it ran
+        right before this one."""
+        now = time.perf_counter()
+        previous, self.last = self.last, (now, bs, arm)
+        if previous is None:
+            return None
+        start, prev_bs, prev_arm = previous
+        return prev_bs, prev_arm, now - start
+
+    def other_forward(self) -> None:
+        self.last = None
