@@ -16,7 +16,7 @@ import soak  # noqa: E402
 
 
 def test_short_soak_stays_exact_and_leaves_the_server_as_it_found_it(tiny_pair, tmp_path):
-    result = soak.soak(tiny_pair, algorithm="MFD", budget=8, duration=30, workers=3, max_total_tokens=1024,
+    result = soak.soak(tiny_pair, algorithm="MFD", budget=8, duration=20, workers=3, max_total_tokens=1024,
                        rss_slack_mib=64, seed=0, log_dir=tmp_path, log=lambda *a: None)
     assert result["passed"], "\n".join(result["failures"])
     assert all(count > 0 for count in result["requests"].values()), result["requests"]
