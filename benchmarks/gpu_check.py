@@ -33,7 +33,6 @@ section, so that a run cut short keeps what it finished; a section that raised r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import importlib
 import importlib.util
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.mode_attention import mode_attention, random_inputs
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 # benchmarks/ is on sys.path when this runs as a script
@@ -80,20 +80,6 @@ def random_logprobs(shape: tuple[int, ...], device: str, dtype: torch.dtype, see
 def same_tree(a: DraftTree, b: DraftTree) -> bool:
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "depths", "modes", "valid")) \
         and torch.equal(a.scores.float(), b.scores.float())
-
-
-@contextlib.contextmanager
-def host_syncs_raise(device: str):
-    """On CUDA, CUDA sync debug mode "error" for the block (the first host sync raises); elsewhere nothing."""
-    if not device.startswith("cuda"):
-        yield
-        return
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def check_tree_kernel(device: str, quick: bool) -> list[dict]:

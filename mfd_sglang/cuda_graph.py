@@ -9,10 +9,26 @@ caller's pad values and their outputs are sliced away, so fn must treat rows ind
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import fields, is_dataclass, replace
 from typing import Callable, Sequence
 
 import torch
+
+
+@contextlib.contextmanager
+def host_syncs_raise(device):
+    """On CUDA, CUDA sync debug mode "error" for the block (the first host sync raises): what a graph
+    capture or an overlapped round needs; elsewhere nothing."""
+    if not str(device).startswith("cuda"):
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _map_tensors(value, fn):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import build_mixture_tree, top_candidates
 
 FIELDS = ("tokens", "parents", "depths", "scores", "modes", "valid")
@@ -31,13 +32,7 @@ def assert_same_tree(logprobs: torch.Tensor, budget: int, *, sync_check: bool = 
     expected = build_mixture_tree(logprobs, budget)
     inputs = [logprobs, top_candidates(logprobs, budget)] if from_candidates else [logprobs]
     for given in inputs:
-        if sync_check:
-            torch.cuda.set_sync_debug_mode("error")  # any host sync in the launch path raises
-            try:
-                got = build_mixture_tree(given, budget, backend="triton")
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        else:
+        with host_syncs_raise(given.device if sync_check else "cpu"):  # a host sync in the launch path raises
             got = build_mixture_tree(given, budget, backend="triton")
         where = f"shape {tuple(logprobs.shape)} {logprobs.dtype} budget {budget} from {type(given).__name__}"
         for name in FIELDS:

@@ -1,12 +1,12 @@
 """Tree verification against a plain walk (greedy) and, sampling, against SGLang's plain sampler:
 its law (from its own function), the distribution of the tree's draws (chi-square), seeded streams."""
 
-import contextlib
 import math
 
 import pytest
 import torch
 
+from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.verify import (Sampling, plain_law, random_seeds, sample_from_logits, stream_coins,
                                sub_budget_accept_lens, verify_tree_greedy, verify_tree_sampling)
@@ -380,7 +380,7 @@ def test_cuda_pipeline_matches_cpu_without_host_sync() -> None:
         )
         on_device = Sampling(*(getattr(settings, f).to(device) for f in
                                ("temperature", "top_k", "top_p", "min_p", "seeds")))
-        with host_syncs_raise() if device == "cuda" else contextlib.nullcontext():
+        with host_syncs_raise(device):
             tree = build_mixture_tree(lp, budget)
             layout = tree_to_verify_layout(tree, roots, lens)
             greedy = verify_tree_greedy(tree, logits)
@@ -391,16 +391,6 @@ def test_cuda_pipeline_matches_cpu_without_host_sync() -> None:
     for cuda_part, cpu_part in zip(pipeline("cuda"), pipeline("cpu")):
         for name, value in vars(cpu_part).items():
             torch.testing.assert_close(getattr(cuda_part, name).cpu(), value, msg=name)
-
-
-@contextlib.contextmanager
-def host_syncs_raise():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def reference_sample(model, input_ids: list[int], max_new_tokens: int, settings: tuple, seed: int) -> list[int]:

@@ -149,38 +149,35 @@ class BudgetChooser:
         for path in self.paths:  # a path whose acceptance was never measured: its largest tree
             if self.tokens((path, self.max_budget)) is None:
                 return self.explore(bucket, (path, self.max_budget))
-        values = {}
+        timed, bounds = {}, {}  # tokens per second: measured, or an upper bound for untimed arms
         for arm in self.arms:
             cost = self.cost(bucket, arm)
-            if cost is None:
-                floor = self.cost_floor(bucket, arm)
-                if floor <= 0:
-                    return self.explore(bucket, arm)  # nothing to bound it with yet: time it
-                values[arm] = (self.tokens(arm) / floor, False)
-            else:
-                values[arm] = (self.tokens(arm) / cost, True)
-        timed = {arm: v for arm, (v, measured) in values.items() if measured}
+            if cost is not None:
+                timed[arm] = self.tokens(arm) / cost
+                continue
+            floor = self.cost_floor(bucket, arm)
+            if floor <= 0:
+                return self.explore(bucket, arm)  # nothing to bound it with yet: time it
+            bounds[arm] = self.tokens(arm) / floor
         best = max(timed, key=timed.get) if timed else None
         current = self.chosen.get(bucket)
         if best is not None and current in timed and timed[best] <= (1 + self.hysteresis) * timed[current]:
             best = current  # not clearly better: keep the current choice (noise would flip it)
-        untimed = [arm for arm, (v, measured) in values.items() if not measured]
-        promising = [arm for arm in untimed if best is None or values[arm][0] > timed[best]]
+        promising = [arm for arm, bound in bounds.items() if best is None or bound > timed[best]]
         if promising:  # optimism: an arm whose best case beats the best measured one is timed
-            return self.explore(bucket, max(promising, key=lambda arm: values[arm][0]))
-        if self.chosen.get(bucket) != best:
+            return self.explore(bucket, max(promising, key=bounds.get))
+        if current != best:
+            self.chosen[bucket] = best
             self.next_probe[bucket] = (count + self.probe_every, self.probe_every)
+            logger.info("MFD auto budget: batch size <= %d -> %s (%.2f tokens per request per round, "
+                        "%.1f ms per round)", bucket, describe(best), self.tokens(best),
+                        1e3 * self.cost(bucket, best))
         probe_round, interval = self.next_probe[bucket]
         if count >= probe_round:
             self.next_probe[bucket] = (count + 2 * interval, min(2 * interval, self.max_probe_interval))
             probe = self.probe(best)
             if probe in timed and timed[probe] >= self.probe_floor * timed[best]:
                 return probe
-        if self.chosen.get(bucket) != best:
-            self.chosen[bucket] = best
-            logger.info("MFD auto budget: batch size <= %d -> %s (%.2f tokens per request per round, "
-                        "%.1f ms per round)", bucket, describe(best), self.tokens(best),
-                        1e3 * self.cost(bucket, best))
         return best
 
     def explore(self, bucket: int, arm: Arm) -> Arm:

@@ -164,6 +164,8 @@ class MFDWorkerV2(BaseSpecWorker):
             paths = (False, True) if algorithm.name == "MFD_D" else (False,)
             self.budget_chooser = BudgetChooser(self.budget, paths=paths)
             self.round_clock = RoundClock()
+            # On the device once: a round measures a prefix of these (`measured_budgets`)
+            self.candidate_budgets = torch.tensor(self.budget_chooser.budgets, device=self.device)
             self.switch_threshold = None
             # (arm, committed tokens per request and budget: [bs, budgets], copied to the host without a
             # sync, event) of rounds whose acceptance is not yet recorded
@@ -388,7 +390,7 @@ class MFDWorkerV2(BaseSpecWorker):
     def measure_acceptance(self, arm: Arm, result: TreeVerifyResult) -> None:
         """Start the host copy of what every budget <= the round's would have committed; recorded once
         the copy is done (a later round), so the round never waits for it."""
-        budgets = torch.tensor(self.budget_chooser.measured_budgets(arm), device=result.accept_lens.device)
+        budgets = self.candidate_budgets[: len(self.budget_chooser.measured_budgets(arm))]
         committed = sub_budget_accept_lens(result, budgets)
         done = None
         if committed.is_cuda:
