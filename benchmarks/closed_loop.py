@@ -23,11 +23,16 @@ one, the report compares auto with AR and with the best fixed budget at each b (
 
 The servers are launched here one at a time (GPU if there is one, else CPU through
 mfd_sglang.cpu.launch_server), or given with --base-url NAME=URL (then nothing is launched for NAME).
+With --repeats R (CPU) they all run at once and each b is measured R times, the configurations taking
+turns (the order rotates each time), and the median run is reported: on a shared or throttling CPU
+two configurations measured minutes apart differ by 5-10% by themselves, and turns put the drift on
+every configuration alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -196,6 +201,15 @@ def machine_name(device: str) -> str:
     return f"cpu{os.cpu_count()}"
 
 
+def median_run(measured: list[dict]) -> dict:
+    """The run of median decode speed (the lower middle one of an even count), with every run's speed."""
+    ranked = sorted(measured, key=lambda run: run["decode_tokens_per_second"])
+    run = dict(ranked[(len(ranked) - 1) // 2])
+    if len(measured) > 1:
+        run["repeats_decode_tokens_per_second"] = [r["decode_tokens_per_second"] for r in measured]
+    return run
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="HF target directory of the launched servers")
@@ -215,6 +229,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", action="store_true", help="before each measured batch size, one unmeasured "
                         "closed loop of b requests (lets @auto time its choices at that size; every configuration "
                         "gets it)")
+    parser.add_argument("--repeats", type=int, default=1, help="measure each b this many times with every "
+                        "server up at once, configurations taking turns, and report the median run (CPU only: "
+                        "on a GPU the servers would share its memory; default 1, one server at a time)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--context-length", type=int, default=2048)
@@ -244,35 +261,55 @@ def main(argv=None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="closed-loop-"))
     max_batch = max(args.batch_sizes)
 
-    results, skipped = {}, {}
-    total = len(configs) * sum(args.requests_per_size + (b if args.warmup else 0) for b in args.batch_sizes)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.repeats > 1 and args.device != "cpu":
+        parser.error("--repeats runs every server at once: CPU only (on a GPU they would share its memory)")
+    runs = {name: {str(b): [] for b in args.batch_sizes} for name in configs}
+    skipped = {}
+    total = len(configs) * sum(args.repeats * args.requests_per_size + (b if args.warmup else 0) for b in args.batch_sizes)
 
-    def measure(base_url: str) -> dict:
-        runs = {}
-        for b in args.batch_sizes:
-            if args.warmup:
-                closed_loop(base_url, prompts[::-1], b, b, args.max_tokens, args.timeout, bar)
-            runs[str(b)] = closed_loop(base_url, prompts, b, args.requests_per_size, args.max_tokens, args.timeout, bar)
-        return runs
+    def serve(name: str, stack: contextlib.ExitStack) -> str | None:
+        """The base URL of configuration `name` (launched within `stack`), None when it cannot run here."""
+        if name in urls:
+            return urls[name]
+        port = free_port()
+        cmd = server_command(name, args, port, args.device, max_batch)
+        if cmd is None:
+            skipped[name] = "SGLang 0.5.23 serves DFLASH on CUDA only"
+            bar.update(total // len(configs))
+            return None
+        bar.set_postfix_str(f"starting {name}")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", MFD_SGLANG_AUTO_BUDGET=str(int(split_config(name)[1] == "auto")))
+        srv = stack.enter_context(ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900))
+        stream_one(srv.base_url, prompts[0], 8, args.timeout)  # warm-up
+        return srv.base_url
+
+    def measure(name: str, base_url: str, b: int, repeat: int) -> None:
+        bar.set_postfix_str(f"{name} b={b}")
+        if args.warmup and repeat == 0:
+            closed_loop(base_url, prompts[::-1], b, b, args.max_tokens, args.timeout, bar)
+        runs[name][str(b)].append(closed_loop(base_url, prompts, b, args.requests_per_size, args.max_tokens,
+                                              args.timeout, bar))
 
     with tqdm(total=total, desc="closed loop", unit="req", file=sys.stderr) as bar:
-        for name in configs:
-            if name in urls:
-                runs = measure(urls[name])
-            else:
-                port = free_port()
-                cmd = server_command(name, args, port, args.device, max_batch)
-                if cmd is None:
-                    skipped[name] = "SGLang 0.5.23 serves DFLASH on CUDA only"
-                    bar.update(total // len(configs))
-                    continue
-                bar.set_postfix_str(f"starting {name}")
-                env = dict(os.environ, HF_HUB_OFFLINE="1", MFD_SGLANG_AUTO_BUDGET=str(int(split_config(name)[1] == "auto")))
-                with ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900) as srv:
-                    bar.set_postfix_str(name)
-                    stream_one(srv.base_url, prompts[0], 8, args.timeout)  # warm-up
-                    runs = measure(srv.base_url)
-            results[name] = runs
+        if args.repeats == 1:
+            for name in configs:
+                with contextlib.ExitStack() as stack:
+                    base_url = serve(name, stack)
+                    for b in args.batch_sizes if base_url else ():
+                        measure(name, base_url, b, 0)
+        else:
+            with contextlib.ExitStack() as stack:
+                served = {name: serve(name, stack) for name in configs}
+                served = {name: url for name, url in served.items() if url}
+                for b in args.batch_sizes:
+                    for repeat in range(args.repeats):
+                        turn = list(served)[repeat % len(served):] + list(served)[:repeat % len(served)]
+                        for name in turn:
+                            measure(name, served[name], b, repeat)
+    results = {name: {b: median_run(measured) for b, measured in per_b.items()}
+               for name, per_b in runs.items() if name not in skipped}
     if "ar" in results:
         for name, runs in results.items():
             for b, run in runs.items():

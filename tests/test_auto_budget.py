@@ -91,6 +91,21 @@ def test_the_chooser_settles_on_the_best_arm_at_every_batch_size(case):
         assert {path for path, _ in best_arms.values()} == {False, True}, best_arms
 
 
+def test_a_larger_batch_does_not_retime_trees_a_smaller_one_ruled_out():
+    """Where the verify is too dear for any tree, the first batch size times the trees once; at the
+    larger ones, where each tree costs relatively more still, the trees' relative cost at the smaller
+    size bounds theirs, so only the probes play a tree (the simulation's trees cost 2.5x plain
+    decoding at bs 1 and more above; without the bound every tree is timed again at every size)."""
+    sim = SimulatedServer(16, depth={False: 6.0}, base=0.02, per_token=0.01, draft={False: 0.006})
+    chooser = BudgetChooser(16)
+    first = sim.run(chooser, 1, 100)
+    assert len({arm for arm in first if arm[1] > 0}) == 3  # every tree timed at bs 1
+    for bs in (2, 4, 8):
+        played = sim.run(chooser, bs, 100)
+        trees = [arm for arm in played if arm[1] > 0]
+        assert len(trees) <= 3 and played[-1] == (False, 0), (bs, trees)
+
+
 def test_acceptance_of_every_smaller_budget_is_kept_from_one_round():
     chooser = BudgetChooser(16, paths=(False, True))
     assert chooser.measured_budgets((True, 8)) == [0, 4, 8]

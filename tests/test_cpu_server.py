@@ -84,11 +84,11 @@ def test_apply_cpu_defaults_unit():
 
     argv, added = apply_cpu_defaults(["--model-path", "m"])
     assert dict(added) == {"--device": "cpu", "--max-total-tokens": "8192", "--mem-fraction-static": "0.5",
-                           "--attention-backend": "mfd_cpu", "--disable-cuda-graph": None}
-    assert argv[-1] == "--disable-cuda-graph"
+                           "--attention-backend": "mfd_cpu", "--disable-cuda-graph": None, "--sleep-on-idle": None}
+    assert argv[-2:] == ["--disable-cuda-graph", "--sleep-on-idle"]
     assert argv[:2] == ["--model-path", "m"] and argv.count("--max-total-tokens") == 1
     argv, added = apply_cpu_defaults(["--max-total-tokens=100", "--device", "cpu", "--attention-backend", "triton"])
-    assert [f for f, _ in added] == ["--mem-fraction-static", "--disable-cuda-graph"]
+    assert [f for f, _ in added] == ["--mem-fraction-static", "--disable-cuda-graph", "--sleep-on-idle"]
     assert "--max-total-tokens=100" in argv and argv.count("--device") == 1
     assert apply_cpu_defaults(["--help"]) == (["--help"], [])
 

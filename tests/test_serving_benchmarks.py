@@ -27,13 +27,14 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_closed_loop_benchmark_writes_json_and_png(tiny_pair, tmp_path):
+    """Two configurations served at once and measured in turns (--repeats 2), the median reported."""
     out = tmp_path / "closed.json"
     proc = _run(["benchmarks/closed_loop.py", "--target", str(tiny_pair / "target"),
                  "--mfd-drafter", str(tiny_pair / "drafter"), "--configs", "ar,mfd,dflash",
                  "--single-drafter", str(tiny_pair / "drafter"),
                  "--prompts-file", str(tiny_pair / "prompts.json"), "--limit", "3", "--batch-sizes", "1", "2",
                  "--requests-per-size", "3", "--max-tokens", "12", "--dtype", "float32", "--budget", "8",
-                 "--out", str(out)], timeout=900)
+                 "--repeats", "2", "--device", "cpu", "--out", str(out)], timeout=900)
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert set(report["results"]) == {"ar", "mfd"} and "dflash" in report["skipped"]
@@ -41,6 +42,9 @@ def test_closed_loop_benchmark_writes_json_and_png(tiny_pair, tmp_path):
         assert set(runs) == {"1", "2"}
         for b, run in runs.items():
             assert run["requests"] == 3 and run["errors"] == 0, run
+            # measured twice, the servers taking turns; the slower run is the (lower) median
+            assert run["decode_tokens_per_second"] == min(run["repeats_decode_tokens_per_second"])
+            assert len(run["repeats_decode_tokens_per_second"]) == 2
             ar_speed = report["results"]["ar"][b]["decode_tokens_per_second"]
             assert run["speedup"] == pytest.approx(run["decode_tokens_per_second"] / ar_speed)
     assert all(run["tau"] is None for run in report["results"]["ar"].values())

@@ -12,7 +12,9 @@ Before SGLang is imported it
    ``--device cpu``, ``--max-total-tokens 8192`` (else the KV pool is sized from host RAM),
    ``--mem-fraction-static 0.5``, ``--attention-backend mfd_cpu`` (this plugin's plain-torch
    backend, which also serves speculative tree verify; SGLang's CPU default ``intel_amx`` needs
-   the unpublished AMX build of sgl-kernel), ``--disable-cuda-graph`` (no graphs on CPU);
+   the unpublished AMX build of sgl-kernel), ``--disable-cuda-graph`` (no graphs on CPU),
+   ``--sleep-on-idle`` (an idle SGLang scheduler otherwise spins a whole core polling for requests:
+   on a few cores, a second server or anything else running beside it would get half the machine);
 4. registers the FULL_MASK hooks (``mfd_sglang.patches.full_mask``) and the one that lets
    ``--tp-size`` run on CPU (``mfd_sglang.patches.cpu_tp``: gloo instead of PyNccl);
 then runs ``sglang.launch_server`` as ``__main__`` with the completed argument list.
@@ -31,6 +33,7 @@ CPU_DEFAULTS: list[tuple[str, str | None]] = [
     ("--mem-fraction-static", "0.5"),
     ("--attention-backend", "mfd_cpu"),
     ("--disable-cuda-graph", None),
+    ("--sleep-on-idle", None),
 ]
 
 PREFIX = "[mfd_sglang.cpu.launch_server]"

@@ -20,14 +20,18 @@ seconds(bucket, arm), optimistic where a value is missing:
   - acceptance of a path measured on fewer than `min_requests` request-rounds: play that path's largest
     budget (one round measures every budget of the path);
   - cost of an arm never timed at this bucket: bounded below by the dearest timed arm of the same
-    path and a smaller budget (a bigger tree costs no less) or by plain decoding's; the arm is played
-    when that bound could beat the best timed arm, so only arms that might win are explored;
+    path and a smaller budget (a bigger tree costs no less), by plain decoding's, and by plain
+    decoding's times the arm's cost over plain decoding's at the nearest smaller bucket where both are
+    timed, less `ratio_slack` for noise (a bigger batch does not make a tree relatively cheaper: the
+    verify window grows with it while plain decoding's one token does not); the arm is played when that
+    bound could beat the best timed arm, so only arms that might win are explored, and a new bucket
+    does not replay the dear arms the smaller ones already ruled out;
   - a probe round plays the next larger budget of the chosen path (or the smallest drafted one after
     plain decoding) once, so that acceptance and cost above the choice stay current as requests and
     lengths change: `probe_every` rounds after the choice changed, then at twice the last interval
     (up to `max_probe_interval`) while it holds, so a settled choice pays little for its probes; a
-    probe arm measured at under `probe_floor` of the choice's value is not played (its acceptance
-    would have to grow by that factor to matter).
+    probe arm measured (or, untimed, bounded) at under `probe_floor` of the choice's value is not played
+    (its acceptance would have to grow by that factor to matter).
 The choice is host-side Python over a few dozen numbers; it is logged when it changes.
 """
 
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 Arm = tuple[bool, int]  # (single-mode path, budget)
+PLAIN: Arm = (False, 0)  # plain decoding: no draft, the root alone
 
 
 def candidate_budgets(max_budget: int) -> tuple[int, ...]:
@@ -89,6 +94,7 @@ class BudgetChooser:
     acceptance_decay: float = 0.995  # per request-round (a request's acceptance changes slowly)
     hysteresis: float = 0.02  # another arm takes over when it is this much better than the current one
     cost_decay: float = 0.8  # per timed round
+    ratio_slack: float = 0.9  # a cost ratio from a smaller bucket bounds this one's after this discount
     budgets: tuple[int, ...] = field(init=False)
     acceptance: dict[tuple[bool, int], DecayedMean] = field(init=False)
     costs: dict[tuple[int, Arm], DecayedMean] = field(init=False)
@@ -105,7 +111,7 @@ class BudgetChooser:
 
     @property
     def arms(self) -> list[Arm]:
-        return [(False, 0)] + [(path, b) for path in self.paths for b in self.budgets[1:]]
+        return [PLAIN] + [(path, b) for path in self.paths for b in self.budgets[1:]]
 
     # --- measurements ------------------------------------------------------------------------
     def record_acceptance(self, arm: Arm, committed: list[list[int]]) -> None:
@@ -113,7 +119,7 @@ class BudgetChooser:
         budgets[i] nodes, for every budget <= arm's (`sub_budget_accept_lens` at `measured_budgets`)."""
         path, _ = arm
         for i, b in enumerate(self.measured_budgets(arm)):
-            key = (False, 0) if b == 0 else (path, b)
+            key = PLAIN if b == 0 else (path, b)
             mean = self.acceptance.setdefault(key, DecayedMean(self.acceptance_decay))
             mean.update(float(sum(row[i] for row in committed)), len(committed))
 
@@ -136,11 +142,19 @@ class BudgetChooser:
         return None if mean is None or mean.samples < self.min_timings else mean.value
 
     def cost_floor(self, bucket: int, arm: Arm) -> float:
-        """A lower bound of an untimed arm's cost: the dearest timed arm of its path below it, or plain
-        decoding; 0 when none is timed."""
+        """A lower bound of an untimed arm's cost: the dearest timed arm of its path below it, plain
+        decoding, or plain decoding's times the arm's relative cost at a smaller bucket; 0 when none is
+        timed."""
         path, budget = arm
         below = [self.cost(bucket, (path, b)) for b in self.budgets if 0 < b < budget]
-        below.append(self.cost(bucket, (False, 0)))
+        plain = self.cost(bucket, PLAIN)
+        below.append(plain)
+        if plain is not None:
+            smaller = bucket // 2
+            while smaller >= 1 and (self.cost(smaller, arm) is None or self.cost(smaller, PLAIN) is None):
+                smaller //= 2
+            if smaller >= 1:
+                below.append(self.ratio_slack * plain * self.cost(smaller, arm) / self.cost(smaller, PLAIN))
         return max((c for c in below if c is not None), default=0.0)
 
     def choose(self, bs: int) -> Arm:
@@ -176,8 +190,8 @@ class BudgetChooser:
         if count >= probe_round:
             self.next_probe[bucket] = (count + 2 * interval, min(2 * interval, self.max_probe_interval))
             probe = self.probe(best)
-            if probe in timed and timed[probe] >= self.probe_floor * timed[best]:
-                return probe
+            if timed.get(probe, bounds.get(probe, 0.0)) >= self.probe_floor * timed[best]:
+                return probe if probe in timed else self.explore(bucket, probe)
         return best
 
     def explore(self, bucket: int, arm: Arm) -> Arm:
