@@ -146,6 +146,63 @@ def check_accept_without_sync(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def check_vocab_kernel(device: str, quick: bool) -> list[dict]:
+    """The fused lm_head + top-B Triton kernel (`kernels/vocab_candidates.py`, not yet on the serving
+    path) against the torch `vocab_candidates` at serving shapes, without a host sync: on small-integer
+    inputs (every logit exact whatever the GEMM's order) ids and logits bit for bit, ties included;
+    on random bf16 inputs (rounding may move near-ties) >= 97% of the candidates shared."""
+    from mfd_sglang.drafter import vocab_candidates
+    from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
+
+    shapes = [(1, 8, 15, 2560, 151936, 64), (16, 8, 15, 2560, 151936, 64), (4, 4, 7, 1024, 32000, 16)]
+    grids = ("integers", "random")
+    if quick:  # the interpreter's bf16 rounding differs from torch's: exact inputs only
+        shapes, grids = [(2, 2, 3, 40, 50, 8)], ("integers",)
+    rows = []
+    for (bs, k, d, h, v, budget), grid in itertools.product(shapes, grids):
+        row = {"bs": bs, "K": k, "D": d, "H": h, "V": v, "B": budget, "inputs": grid}
+        try:
+            gen = torch.Generator(device=device).manual_seed(bs * 7 + h)
+            if grid == "integers":
+                hidden = torch.randint(-3, 4, (bs, k, d, h), device=device, generator=gen).to(torch.bfloat16)
+                head = torch.randint(-3, 4, (v, h), device=device, generator=gen).to(torch.bfloat16)
+            else:
+                hidden = torch.randn(bs, k, d, h, device=device, generator=gen).to(torch.bfloat16)
+                head = (0.05 * torch.randn(v, h, device=device, generator=gen)).to(torch.bfloat16)
+            with host_syncs_raise(device):
+                fast = vocab_candidates_triton(hidden, head, budget)
+            reference = vocab_candidates(hidden, head, budget)
+            shared = float((fast.tokens[..., :, None] == reference.tokens[..., None, :]).any(-1).float().mean())
+            row["shared"] = round(shared, 4)
+            row["max_logprob_diff"] = float((fast.logprobs - reference.logprobs).abs().max())
+            row["ok"] = torch.equal(fast.tokens, reference.tokens) if grid == "integers" else shared >= 0.97
+        except Exception as exc:
+            row["ok"] = False
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    return rows
+
+
+def time_vocab_kernel(device: str, quick: bool) -> list[dict]:
+    """The drafter's vocabulary top-B: torch chunks vs the fused Triton kernel (bf16, H 2560, V 151936)."""
+    if not device.startswith("cuda"):
+        raise SectionSkipped("Triton timings need a GPU (the interpreter's mean nothing)")
+    from mfd_sglang.drafter import vocab_candidates
+    from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
+
+    rows = []
+    for bs, budget in itertools.product((1, 4, 16), (16, 64)):
+        gen = torch.Generator(device=device).manual_seed(bs)
+        hidden = torch.randn(bs, 8, 15, 2560, device=device, generator=gen).to(torch.bfloat16)
+        head = (0.05 * torch.randn(151936, 2560, device=device, generator=gen)).to(torch.bfloat16)
+        row = {"bs": bs, "K": 8, "D": 15, "B": budget}
+        row["torch_ms"] = round(mean_ms(lambda: vocab_candidates(hidden, head, budget), device, 10), 4)
+        row["triton_ms"] = round(mean_ms(lambda: vocab_candidates_triton(hidden, head, budget), device, 10), 4)
+        row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
+        rows.append(row)
+    return rows
+
+
 def time_tree_build(device: str, quick: bool) -> list[dict]:
     grid = itertools.product((1, 4, 16), (16, 32, 64, 128), (32768, 65536, 151936))
     if quick:
@@ -227,7 +284,7 @@ def check_servers(device: str, quick: bool) -> list[dict]:
 # Per section: the row field that must be true. Rows of every section fail on an `error` field and
 # count as skipped on a `skipped` field.
 CORRECTNESS = {"tree": "identical", "attention": "ok", "sync": "sync_free", "tree_mask": "ok", "servers": "ok",
-               "round_cost": "graph_equals_eager"}
+               "round_cost": "graph_equals_eager", "vocab": "ok"}
 
 
 def failures(report: dict, sections: list[str], allow_skip: bool) -> list[str]:
@@ -289,6 +346,11 @@ def print_table(report: dict) -> None:
     for r in report.get("sync", []):
         verdict = "no host sync" if r.get("sync_free") else r.get("skipped") or f"HOST SYNC: {r.get('error')}"
         print(f"accept stage without host sync, {r['case']}: {verdict}")
+    for r in report.get("vocab", []):
+        print(f"fused vocabulary top-B vs torch, bs {r['bs']} V {r['V']} B {r['B']} {r['inputs']}: "
+              f"{'ok' if r['ok'] else 'MISMATCH'} (shared {r.get('shared')})")
+    for r in report.get("vocab_time", []):
+        print(f"  vocabulary top-B bs {r['bs']:>2} B {r['B']}: torch {r['torch_ms']} ms, triton {r['triton_ms']} ms, {r['speedup']}x")
     if report.get("round_cost"):
         print_round_cost(report["round_cost"])
     if report.get("tree_mask"):
@@ -354,10 +416,10 @@ def main() -> None:
 
 # The order they run in: kernel exactness, then the server part (tree masks first, then real servers),
 # then costs and timings.
-SECTIONS = {"tree": check_tree_kernel, "attention": check_mode_attention, "sync": check_accept_without_sync,
-            "tree_mask": check_tree_masks,
+SECTIONS = {"tree": check_tree_kernel, "vocab": check_vocab_kernel, "attention": check_mode_attention,
+            "sync": check_accept_without_sync, "tree_mask": check_tree_masks,
             "servers": check_servers, "round_cost": round_cost_section, "tree_time": time_tree_build,
-            "attention_time": time_mode_attention}
+            "attention_time": time_mode_attention, "vocab_time": time_vocab_kernel}
 
 if __name__ == "__main__":
     main()

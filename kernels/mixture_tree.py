@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mfd_sglang.kernels.bitonic import merge_top
 from mfd_sglang.tree import DraftCandidates, DraftTree
 
 _MIN_KEY = tl.constexpr(-(2**63))  # below every real key: marks padding lanes
@@ -59,58 +60,6 @@ def _key_index(key):
     return 2147483647 - (key - ((key >> 32) << 32))
 
 
-# Top-k is a bitonic network written with reshape/split/join (tl.topk is ~25x slower under the
-# Triton interpreter, which the CPU tests run on). Keys are distinct, so any exact network agrees.
-
-
-@triton.constexpr_function
-def _log2(n):
-    return n.bit_length() - 1
-
-
-@triton.jit
-def _exchange(x, N: tl.constexpr, S: tl.constexpr, RUN: tl.constexpr, ASCENDING: tl.constexpr):
-    """One compare-exchange step over x [N]: lanes i and i + S (i & S == 0) swap into order;
-    runs of RUN lanes alternate direction, the first run descending (ascending if ASCENDING=1)."""
-    a, b = tl.split(tl.permute(tl.reshape(x, [N // (2 * S), 2, S]), (0, 2, 1)))
-    first_lane = tl.arange(0, N // (2 * S))[:, None] * (2 * S)
-    descending = (first_lane // RUN + ASCENDING) % 2 == 0
-    hi = tl.maximum(a, b)
-    lo = tl.minimum(a, b)
-    y = tl.join(tl.where(descending, hi, lo), tl.where(descending, lo, hi))
-    return tl.reshape(tl.permute(y, (0, 2, 1)), [N])
-
-
-@triton.jit
-def _sort_bitonic_runs(x, N: tl.constexpr, RUN: tl.constexpr, ASCENDING: tl.constexpr):
-    """Sorts every run of RUN lanes of x [N] whose lanes form a bitonic sequence."""
-    for i in tl.static_range(_log2(RUN)):
-        x = _exchange(x, N, RUN // (2 << i), RUN, ASCENDING)
-    return x
-
-
-@triton.jit
-def _top_k(x, N: tl.constexpr, K: tl.constexpr, ASCENDING: tl.constexpr):
-    """The K largest of x [N] (powers of two, K <= N), sorted (descending; ascending if ASCENDING=1)."""
-    for i in tl.static_range(1, _log2(K) + 1):  # sort runs of K, alternating direction
-        x = _sort_bitonic_runs(x, N, 1 << i, ASCENDING)
-    for i in tl.static_range(_log2(N) - _log2(K)):
-        # Lane-wise max of a run and its oppositely sorted neighbour: a bitonic run holding
-        # the K largest of the two.
-        # (x has N >> i lanes here; static_range unrolls, so x may shrink.)
-        a, b = tl.split(tl.permute(tl.reshape(x, [(N >> i) // (2 * K), 2, K]), (0, 2, 1)))
-        half = tl.reshape(tl.maximum(a, b), [(N >> i) // 2])
-        x = _sort_bitonic_runs(half, (N >> i) // 2, K, ASCENDING)
-    return x
-
-
-@triton.jit
-def _merge_top(running, tile, N: tl.constexpr, K: tl.constexpr):
-    """The K largest of running [K] (sorted descending) and tile [N >= K], sorted descending."""
-    bitonic = tl.maximum(running, _top_k(tile, N, K, 1))
-    return _sort_bitonic_runs(bitonic, K, K, 0)
-
-
 @triton.jit
 def _vocab_topk_kernel(
     logprobs_ptr, top_lp_ptr, top_tok_ptr, V, NUM_TOP,
@@ -124,7 +73,7 @@ def _vocab_topk_kernel(
         # Clamped unmasked load: avoids a (bf16) `other` constant; lanes past V are dropped below.
         lp = tl.load(row_ptr + tl.minimum(tokens, V - 1)).to(tl.float32)
         keys = tl.where(tokens < V, _rank_key(lp, tokens), _MIN_KEY)
-        running = _merge_top(running, keys, TILE_V, BB)
+        running = merge_top(running, keys, TILE_V, BB)
     slot = tl.arange(0, BB)
     keep = slot < NUM_TOP
     token = tl.where(keep, _key_index(running), 0)
@@ -162,7 +111,7 @@ def _beam_kernel(
             flat = slot[:, None] * NUM_TOP + t[None, :]
             ok = (slot[:, None] < B) & t_ok[None, :]
             keys = tl.where(ok, _rank_key(candidate, flat), _MIN_KEY)
-            running = _merge_top(running, tl.reshape(keys, [SLOT_TILE * NTB]), SLOT_TILE * NTB, BB)
+            running = merge_top(running, tl.reshape(keys, [SLOT_TILE * NTB]), SLOT_TILE * NTB, BB)
         keep = rank < B  # B * NUM_TOP >= B real candidates, so these ranks are all real
         flat = tl.where(keep, _key_index(running), 0)
         token = tl.load(top_tok_ptr + row * NUM_TOP + flat % NUM_TOP, mask=keep, other=0)
@@ -230,7 +179,7 @@ def _merge_select_kernel(
     for g0 in range(0, T, TILE_G):
         g = g0 + tl.arange(0, TILE_G)
         score = tl.load(merged_score_ptr + req + g, mask=g < T, other=float("-inf"))
-        running = _merge_top(running, tl.where(g < T, _rank_key(score, g), _MIN_KEY), TILE_G, BB)
+        running = merge_top(running, tl.where(g < T, _rank_key(score, g), _MIN_KEY), TILE_G, BB)
     rank = tl.arange(0, BB)
     keep = rank < budget  # T >= budget, so these ranks are all real entries
     g = tl.where(keep, _key_index(running), 0)

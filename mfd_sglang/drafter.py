@@ -49,7 +49,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chunk_size: int = VOCAB_CHUNK) -> DraftCandidates:
+def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chunk_size: int = VOCAB_CHUNK, *,
+                     backend: str = "torch") -> DraftCandidates:
     """The `count` best rows of `hidden @ weight.T` per leading index, as log-probabilities over all
     rows (float32), best first and equal logits in row order, one chunk of rows at a time.
 
@@ -58,7 +59,22 @@ def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chu
     `log_softmax` of the whole row the values differ only by the rounding of the normaliser.
     Each logit and its row form one distinct int64 key (as in the Triton tree kernel), so a plain
     top-k (no full sort, no tie ambiguity) keeps the running best.
+
+    backend: "torch" (this function), or "triton" (`mfd_sglang.kernels.vocab_candidates`: one fused
+    lm_head + top-B kernel, no logits beyond a tile; chunk_size is unused; float32/float16/bfloat16
+    hidden and weight of one dtype; CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported
+    for CPU ones, else ValueError). Its ids equal these and its log-probabilities agree up to the
+    normaliser's float32 rounding, wherever both GEMMs give equal logits (see that module).
     """
+    if backend == "triton":
+        # Imported here: the torch backend must not need triton.
+        from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
+
+        return vocab_candidates_triton(hidden, weight, count)
+    if backend != "torch":
+        raise ValueError(
+            f"vocab_candidates backend {backend!r} is not available: only 'torch' and 'triton' are available"
+        )
     vocab = weight.shape[0]
     count = min(count, vocab)
     lead = hidden.shape[:-1]
@@ -306,12 +322,13 @@ class MFDDrafter(nn.Module):
 
     def block_candidates(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
                          head_weight: torch.Tensor, count: int, *, single_mode: bool = False,
-                         chunk_size: int = VOCAB_CHUNK) -> DraftCandidates:
+                         chunk_size: int = VOCAB_CHUNK, backend: str = "torch") -> DraftCandidates:
         """The `count` best draft tokens of every (mode, position) of the blocks and their
         log-probabilities (what a tree of budget `count` reads), over the vocabulary in chunks of
-        `chunk_size`: no [bs, K', D, Vd] tensor is made. head_weight: `self.head_weight(lm_head)`."""
+        `chunk_size`: no [bs, K', D, Vd] tensor is made. head_weight: `self.head_weight(lm_head)`;
+        backend: `vocab_candidates`'s ("torch" or "triton")."""
         hidden = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
-        return vocab_candidates(hidden, head_weight, count, chunk_size)
+        return vocab_candidates(hidden, head_weight, count, chunk_size, backend=backend)
 
     def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's lm_head the drafter scores: the draft vocabulary's (a copy), or all."""

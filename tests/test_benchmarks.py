@@ -37,8 +37,10 @@ def test_gpu_check_script_runs_and_records_json(tmp_path):
     assert report["env"]["torch"] and report["date"]
     # the order of the one device call: kernel exactness, the server part, then costs and timings
     ran = [k.removesuffix("_seconds") for k in report if k.endswith("_seconds")]
-    assert ran == ["tree", "attention", "sync", "tree_mask", "servers", "round_cost", "tree_time", "attention_time"]
-    assert [k for k in report if k.endswith("_skipped")] == ["attention_time_skipped"], report
+    assert ran == ["tree", "vocab", "attention", "sync", "tree_mask", "servers", "round_cost", "tree_time",
+                   "attention_time", "vocab_time"]
+    assert [k for k in report if k.endswith("_skipped")] == ["attention_time_skipped", "vocab_time_skipped"], report
+    assert report["vocab"] and all(row["ok"] and row["shared"] == 1.0 for row in report["vocab"]), report["vocab"]
     # The host-sync cases run on CPU but can only be checked on CUDA: skipped rows, not passes.
     assert report["sync"] and all("skipped" in row and "error" not in row for row in report["sync"]), report["sync"]
     assert report["tree"] and all(row["identical"] for row in report["tree"]), report["tree"]

@@ -1,0 +1,186 @@
+"""Triton `vocab_candidates`: the drafter's vocabulary top-B fused with its lm_head, the same contract
+as the torch reference `mfd_sglang.drafter.vocab_candidates` (candidates best first, equal logits
+in row order, float32 log-probabilities, int64 ids).
+
+Fixed shapes and no host sync, so it can be captured in a CUDA graph. Two steps:
+
+  1. `_vocab_top_kernel`, grid (row blocks of ROWS rows, vocabulary splits): each program walks its
+     split's tiles of TILE_V weight rows. Per tile, the logits [ROWS, TILE_V] are a `tl.dot` over H
+     in BLOCK_H chunks (float32 accumulation), rounded to the input dtype like torch's
+     `(hidden @ weight.T).float()`; they feed an online (max, rescaled sum of exp) per row and a
+     running top-BB of rank keys per row (bitonic networks over [ROWS, N]). The logits never exist
+     beyond one tile. Per (row, split) it writes BB keys, the max and the sum.
+  2. In torch (tiny): the top-`count` of the [rows, splits * BB] keys, the splits' (max, sum)
+     combined into the log-normaliser, the keys decoded as the reference decodes its own.
+
+Exactness. The ranking sorts distinct int64 keys (`_rank_key` of `mixture_tree`: the logit's
+order-preserving bits, then 2^31 - 1 - id), built and decoded exactly as the reference's
+`_rank_keys` / `_from_rank_keys`, so equal logits give bit-equal ids and logits: ties to the lower
+id, -0.0 as +0.0. The logits themselves are torch's up to the GEMM's summation order, i.e. bit-equal
+whenever the dot products are exact (e.g. small-integer inputs) and otherwise within the float32
+accumulation error of any two GEMMs, before the rounding to the input dtype (which both do). The
+normaliser is the reference's up to float32 rounding (the order of the sum of exp, the exp's own
+approximation on GPU): ~1e-7 relative. NaN logits are unsupported.
+
+Launch: ROWS = 16 or 32 rows per program (tl.dot needs >= 16; more would cut the weight's re-reads,
+one per row block, but the [ROWS, TILE_V] int64 key tile and its bitonic network live in
+registers); BB = count rounded up to a power of two (>= 2); TILE_V = max(BB, min(128, V)) (a power
+of two);
+splits = min(tiles, cdiv(512, row blocks)): a few hundred programs. Scratch: rows * splits *
+(8 * BB + 8) bytes (keys, max, sum), at most (rows + 512 * ROWS) * (8 * BB + 8).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mfd_sglang.drafter import _from_rank_keys
+from mfd_sglang.kernels.bitonic import merge_top_rows
+from mfd_sglang.kernels.mixture_tree import _MIN_KEY, _pow2, _rank_key
+from mfd_sglang.tree import DraftCandidates
+
+_TARGET_PROGRAMS = 512  # stage-1 programs aimed at: a few per SM of a large GPU
+_MAX_ROWS = 32  # rows per program at most: bounds the [ROWS, TILE_V] key tile's registers
+_TILE_V = 128  # weight rows per tile (at least BB)
+_BLOCK_H = 64  # hidden chunk of one tl.dot
+
+
+@triton.jit
+def _vocab_top_kernel(
+    hidden_ptr, weight_ptr, keys_ptr, max_ptr, sum_ptr,
+    n_rows, V, H, tiles_per_split, n_splits,
+    stride_hr, stride_hh, stride_wv, stride_wh,
+    ROWS: tl.constexpr, TILE_V: tl.constexpr, BLOCK_H: tl.constexpr, BB: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split = tl.program_id(1)  # row blocks vary fastest: programs sharing a split share its weight in L2
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    hidden_rows = hidden_ptr + rows.to(tl.int64)[:, None] * stride_hr
+    lanes = tl.arange(0, TILE_V)
+    chunk = tl.arange(0, BLOCK_H)
+    running = tl.full([ROWS, BB], _MIN_KEY, tl.int64)
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    first = split.to(tl.int64) * tiles_per_split * TILE_V  # int64: no overflow near V = 2^31
+    last = tl.minimum(V, first + tiles_per_split * TILE_V)
+    for start in range(first, last, TILE_V):  # every tile holds >= 1 real row: start < V
+        v = start + lanes
+        v_ok = v < V
+        weight_rows = weight_ptr + v[:, None] * stride_wv
+        acc = tl.zeros([ROWS, TILE_V], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + chunk
+            h_ok = h < H
+            x = tl.load(hidden_rows + h[None, :] * stride_hh, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+            w = tl.load(weight_rows + h[None, :] * stride_wh, mask=v_ok[:, None] & h_ok[None, :], other=0.0)
+            if UPCAST:  # the interpreter's tl.dot cannot read bfloat16; the products are exact in fp32
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        # Rounded to the input dtype, as torch's matmul output is before `.float()`.
+        logits = acc.to(hidden_ptr.dtype.element_ty).to(tl.float32)
+        keys = tl.where(v_ok[None, :], _rank_key(logits, v[None, :]), _MIN_KEY)
+        running = merge_top_rows(running, keys, ROWS, TILE_V, BB)
+        real = tl.where(v_ok[None, :], logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(real, axis=1))  # finite: the tile has a real row
+        row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(real - new_max[:, None]), axis=1)
+        row_max = new_max
+    out = rows.to(tl.int64) * n_splits + split
+    slot = tl.arange(0, BB)
+    tl.store(keys_ptr + out[:, None] * BB + slot[None, :], running, mask=row_ok[:, None])
+    tl.store(max_ptr + out, row_max, mask=row_ok)
+    tl.store(sum_ptr + out, row_sum, mask=row_ok)
+
+
+def _is_interpreted() -> bool:
+    # TRITON_INTERPRET is read when @triton.jit runs, i.e. when this module is imported.
+    return type(_vocab_top_kernel).__name__ == "InterpretedFunction"
+
+
+def vocab_top_logits_triton(
+    hidden: torch.Tensor, weight: torch.Tensor, count: int, *, tile_v: int | None = None,
+    block_h: int | None = None, rows_per_block: int | None = None, max_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `count` best rows of `hidden @ weight.T` per leading index, before normalisation:
+    (logits [..., C] float32, ids [..., C] int64, log-normaliser [...] float32), C = min(count, V).
+
+    hidden [..., H] and weight [V, H] of one dtype (float32, float16 or bfloat16), V < 2^31, CUDA
+    tensors (or CPU ones under TRITON_INTERPRET=1 set before triton is imported), else ValueError.
+    The keyword arguments tune the launch (powers of two; None picks a default): weight rows per
+    tile (>= the top width), hidden chunk of one dot (>= 16), rows per program (>= 16), and an upper
+    bound on the vocabulary splits.
+    """
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden [..., H] and weight [V, H] do not match: {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
+        raise ValueError(f"the Triton vocab_candidates takes float32/16 or bfloat16 hidden and weight of "
+                         f"one dtype, not {hidden.dtype} and {weight.dtype}")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device}, weight on {weight.device}")
+    if not hidden.is_cuda and not _is_interpreted():
+        raise ValueError(
+            "the Triton vocab_candidates needs CUDA tensors or TRITON_INTERPRET=1 (set before triton "
+            f"is imported), got tensors on {hidden.device}"
+        )
+    vocab, size = weight.shape
+    if not 0 < vocab < 2**31:
+        raise ValueError(f"the vocabulary must have 1 .. 2^31 - 1 rows, not {vocab}")
+    count = min(count, vocab)
+    lead = hidden.shape[:-1]
+    dev = hidden.device
+    rows = hidden.reshape(-1, size)
+    n_rows = rows.shape[0]
+    if n_rows == 0:
+        return (torch.empty(*lead, count, dtype=torch.float32, device=dev),
+                torch.empty(*lead, count, dtype=torch.int64, device=dev),
+                torch.empty(lead, dtype=torch.float32, device=dev))
+
+    bb = _pow2(count)
+    tile = max(bb, tile_v or min(_TILE_V, _pow2(vocab)))
+    chunk = block_h or max(16, min(_BLOCK_H, triton.next_power_of_2(size)))
+    block_rows = rows_per_block or max(16, min(_MAX_ROWS, triton.next_power_of_2(n_rows)))
+    if tile & (tile - 1) or chunk & (chunk - 1) or block_rows & (block_rows - 1):
+        raise ValueError(f"tile_v, block_h and rows_per_block must be powers of two: {tile}, {chunk}, "
+                         f"{block_rows}")
+    if chunk < 16 or block_rows < 16:
+        raise ValueError(f"tl.dot needs block_h and rows_per_block >= 16, not {chunk}, {block_rows}")
+    row_blocks = triton.cdiv(n_rows, block_rows)
+    tiles = triton.cdiv(vocab, tile)
+    splits = min(tiles, max(1, triton.cdiv(_TARGET_PROGRAMS, row_blocks)), max_splits or tiles)
+    tiles_per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, tiles_per_split)  # no split without a tile
+
+    keys = torch.empty(n_rows, splits, bb, dtype=torch.int64, device=dev)
+    maxes = torch.empty(n_rows, splits, dtype=torch.float32, device=dev)
+    sums = torch.empty(n_rows, splits, dtype=torch.float32, device=dev)
+    _vocab_top_kernel[(row_blocks, splits)](
+        rows, weight, keys, maxes, sums,
+        n_rows, vocab, size, tiles_per_split, splits,
+        rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1),
+        ROWS=block_rows, TILE_V=tile, BLOCK_H=chunk, BB=bb,
+        UPCAST=_is_interpreted() and hidden.dtype == torch.bfloat16,
+        # float32 inputs: full-precision products like torch's default matmul (no TF32); 16-bit
+        # inputs ignore it (tensor cores, float32 accumulation).
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_rows * tile <= 2048 else 8,
+    )
+    # Distinct keys: topk's order is exact; padding keys (_MIN_KEY) rank below the >= count real ones.
+    best = keys.view(n_rows, splits * bb).topk(count, dim=-1).values
+    logits, ids = _from_rank_keys(best)
+    top_max = maxes.amax(-1)
+    lognorm = top_max + (sums * torch.exp(maxes - top_max[:, None])).sum(-1).log()
+    return logits.view(*lead, count), ids.view(*lead, count), lognorm.view(lead)
+
+
+def vocab_candidates_triton(hidden: torch.Tensor, weight: torch.Tensor, count: int, **launch) -> DraftCandidates:
+    """`mfd_sglang.drafter.vocab_candidates` on Triton: the `count` best rows of `hidden @ weight.T`
+    per leading index as float32 log-probabilities, best first, equal logits in row order; the same
+    shapes and dtypes. Ids (and logits) bit-equal to the reference's when the logits are (see the
+    module docstring), log-probabilities up to the normaliser's float32 rounding. Inputs and
+    `launch` keywords: `vocab_top_logits_triton`."""
+    logits, ids, lognorm = vocab_top_logits_triton(hidden, weight, count, **launch)
+    return DraftCandidates(logits - lognorm[..., None], ids, weight.shape[0])
