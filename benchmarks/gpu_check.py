@@ -152,7 +152,6 @@ def check_vocab_kernel(device: str, quick: bool) -> list[dict]:
     inputs (every logit exact whatever the GEMM's order) ids and logits bit for bit, ties included;
     on random bf16 inputs (rounding may move near-ties) >= 97% of the candidates shared."""
     from mfd_sglang.drafter import vocab_candidates
-    from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
 
     shapes = [(1, 8, 15, 2560, 151936, 64), (16, 8, 15, 2560, 151936, 64), (4, 4, 7, 1024, 32000, 16)]
     grids = ("integers", "random")
@@ -170,7 +169,7 @@ def check_vocab_kernel(device: str, quick: bool) -> list[dict]:
                 hidden = torch.randn(bs, k, d, h, device=device, generator=gen).to(torch.bfloat16)
                 head = (0.05 * torch.randn(v, h, device=device, generator=gen)).to(torch.bfloat16)
             with host_syncs_raise(device):
-                fast = vocab_candidates_triton(hidden, head, budget)
+                fast = vocab_candidates(hidden, head, budget, backend="triton")
             reference = vocab_candidates(hidden, head, budget)
             shared = float((fast.tokens[..., :, None] == reference.tokens[..., None, :]).any(-1).float().mean())
             row["shared"] = round(shared, 4)
@@ -188,19 +187,22 @@ def time_vocab_kernel(device: str, quick: bool) -> list[dict]:
     if not device.startswith("cuda"):
         raise SectionSkipped("Triton timings need a GPU (the interpreter's mean nothing)")
     from mfd_sglang.drafter import vocab_candidates
-    from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
 
     rows = []
     for bs, budget in itertools.product((1, 4, 16), (16, 64)):
         gen = torch.Generator(device=device).manual_seed(bs)
         hidden = torch.randn(bs, 8, 15, 2560, device=device, generator=gen).to(torch.bfloat16)
         head = (0.05 * torch.randn(151936, 2560, device=device, generator=gen)).to(torch.bfloat16)
-        row = {"bs": bs, "K": 8, "D": 15, "B": budget}
-        row["torch_ms"] = round(mean_ms(lambda: vocab_candidates(hidden, head, budget), device, 10), 4)
-        row["triton_ms"] = round(mean_ms(lambda: vocab_candidates_triton(hidden, head, budget), device, 10), 4)
-        row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
-        rows.append(row)
+        timed = backend_times(lambda backend: vocab_candidates(hidden, head, budget, backend=backend), device, 10)
+        rows.append({"bs": bs, "K": 8, "D": 15, "B": budget, **timed})
     return rows
+
+
+def backend_times(run, device: str, repeats: int) -> dict:
+    """run(backend) timed for "torch" and "triton": {torch_ms, triton_ms, speedup}."""
+    row = {f"{backend}_ms": round(mean_ms(lambda: run(backend), device, repeats), 4) for backend in ("torch", "triton")}
+    row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
+    return row
 
 
 def time_tree_build(device: str, quick: bool) -> list[dict]:
@@ -253,12 +255,8 @@ def time_mode_attention(device: str, quick: bool) -> list[dict]:
     rows = []
     for bs in (1, 4, 16):
         case = random_inputs(0, bs, 8, 16, 32, 8, 128, [4096] * bs, torch.bfloat16, device)
-        row = {"bs": bs, "K": 8, "T": 16, "context": 4096}
-        for backend in ("torch", "triton"):
-            ms = mean_ms(lambda: mode_attention(**case, num_modes=8, backend=backend), device, 20)
-            row[f"{backend}_ms"] = round(ms, 4)
-        row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
-        rows.append(row)
+        timed = backend_times(lambda backend: mode_attention(**case, num_modes=8, backend=backend), device, 20)
+        rows.append({"bs": bs, "K": 8, "T": 16, "context": 4096, **timed})
     return rows
 
 

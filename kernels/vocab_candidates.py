@@ -36,7 +36,7 @@ import triton.language as tl
 
 from mfd_sglang.drafter import _from_rank_keys
 from mfd_sglang.kernels.bitonic import merge_top_rows
-from mfd_sglang.kernels.mixture_tree import _MIN_KEY, _pow2, _rank_key
+from mfd_sglang.kernels.mixture_tree import _MIN_KEY, _is_interpreted, _pow2, _rank_key
 from mfd_sglang.tree import DraftCandidates
 
 _TARGET_PROGRAMS = 512  # stage-1 programs aimed at: a few per SM of a large GPU
@@ -91,11 +91,6 @@ def _vocab_top_kernel(
     tl.store(keys_ptr + out[:, None] * BB + slot[None, :], running, mask=row_ok[:, None])
     tl.store(max_ptr + out, row_max, mask=row_ok)
     tl.store(sum_ptr + out, row_sum, mask=row_ok)
-
-
-def _is_interpreted() -> bool:
-    # TRITON_INTERPRET is read when @triton.jit runs, i.e. when this module is imported.
-    return type(_vocab_top_kernel).__name__ == "InterpretedFunction"
 
 
 def vocab_top_logits_triton(
