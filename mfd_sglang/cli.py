@@ -15,7 +15,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from .lab.tiny import make_tiny
 
     make_tiny(args.outdir, seed=args.seed, num_modes=args.num_modes,
-              target_steps=args.target_steps, drafter_steps=args.drafter_steps,
+              target_steps=args.target_steps, drafter_steps=args.drafter_steps, hybrid=args.hybrid,
               log=(lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr)))
     print(args.outdir)
     return 0
@@ -272,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("outdir", help="writes OUTDIR/target, OUTDIR/drafter and OUTDIR/prompts.json")
     p.add_argument("--seed", type=int, default=0, help="same seed, same pair (default 0)")
     p.add_argument("--num-modes", type=int, default=4, help="K, the drafter's number of modes (default 4)")
+    p.add_argument("--hybrid", action="store_true", help="a Qwen3.5-shaped hybrid target (Gated DeltaNet layers "
+                   "before one full-attention layer) instead of a Qwen3-shaped one")
     p.add_argument("--target-steps", type=int, default=400, help=argparse.SUPPRESS)
     p.add_argument("--drafter-steps", type=int, default=300, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress lines")

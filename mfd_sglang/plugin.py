@@ -7,8 +7,9 @@ arguments, so what is registered here is known everywhere:
     the drafter-path check before SGLang's argument resolution acts on them
     (`mfd_sglang.patches.launch_checks`), the per-request checks
     (`mfd_sglang.patches.request_checks`), the penalty state on the forward's sampling info
-    (`mfd_sglang.patches.penalty_state`) and the tree-verify CUDA-graph runner
-    (`mfd_sglang.patches.verify_graph`);
+    (`mfd_sglang.patches.penalty_state`), the tree-verify CUDA-graph runner
+    (`mfd_sglang.patches.verify_graph`) and the tree path of the hybrid linear-attention backend
+    (`mfd_sglang.patches.hybrid_tree_verify`);
   - the `mfd_cpu` attention backend (plain torch, for CPU-only machines; `mfd_sglang.cpu.attention`);
   - the CPU HookRegistry hooks, when `python -m mfd_sglang.cpu.launch_server` started the process
     tree (`MFD_SGLANG_CPU=1`); SGLang applies hooks per process, so they are registered again in
@@ -28,7 +29,7 @@ def register() -> None:
     from . import __version__
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
-    from .patches import launch_checks, penalty_state, request_checks, verify_graph
+    from .patches import hybrid_tree_verify, launch_checks, penalty_state, request_checks, verify_graph
 
     try:
         from .serving.algorithms import register_algorithms
@@ -42,6 +43,7 @@ def register() -> None:
     request_checks.install()
     penalty_state.install()
     verify_graph.install()
+    hybrid_tree_verify.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()
     logger.debug("mfd_sglang %s plugin: algorithms %s, attention backend %r, CPU hooks %s", __version__,

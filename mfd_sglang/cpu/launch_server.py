@@ -15,6 +15,11 @@ Before SGLang is imported it
    the unpublished AMX build of sgl-kernel), ``--disable-cuda-graph`` (no graphs on CPU),
    ``--sleep-on-idle`` (an idle SGLang scheduler otherwise spins a whole core polling for requests:
    on a few cores, a second server or anything else running beside it would get half the machine);
+   for a hybrid linear-attention target (a local ``--model-path`` whose config.json names recurrent
+   layers: Qwen3.5 / Qwen3.6 Gated DeltaNet) also ``--mamba-radix-cache-strategy no_buffer`` (SGLang's
+   default ``extra_buffer`` needs state snapshots its CPU platform lacks), ``--disable-overlap-schedule``
+   (``no_buffer`` requires it) and ``--max-mamba-cache-size 256`` (else the recurrent-state pool is
+   sized from host RAM: gigabytes even for a tiny model, and tens of seconds to allocate);
 4. registers the FULL_MASK hooks (``mfd_sglang.patches.full_mask``) and the one that lets
    ``--tp-size`` run on CPU (``mfd_sglang.patches.cpu_tp``: gloo instead of PyNccl);
 then runs ``sglang.launch_server`` as ``__main__`` with the completed argument list.
@@ -22,9 +27,11 @@ then runs ``sglang.launch_server`` as ``__main__`` with the completed argument l
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
+from pathlib import Path
 
 # (flag, value); None for a switch that takes no value.
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
@@ -36,6 +43,13 @@ CPU_DEFAULTS: list[tuple[str, str | None]] = [
     ("--sleep-on-idle", None),
 ]
 
+# Added for hybrid linear-attention targets.
+HYBRID_CPU_DEFAULTS: list[tuple[str, str | None]] = [
+    ("--mamba-radix-cache-strategy", "no_buffer"),
+    ("--disable-overlap-schedule", None),
+    ("--max-mamba-cache-size", "256"),
+]
+
 PREFIX = "[mfd_sglang.cpu.launch_server]"
 
 
@@ -44,11 +58,34 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a in spellings or a.split("=", 1)[0] in spellings for a in argv)
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def hybrid_target(argv: list[str]) -> bool:
+    """Whether --model-path (or --model) is a local model directory whose config.json names recurrent
+    layers (a hybrid linear-attention target)."""
+    from mfd_sglang.serving.target_checks import hybrid_markers
+
+    path = _flag_value(argv, "--model-path") or _flag_value(argv, "--model")
+    config = Path(path) / "config.json" if path else None
+    if config is None or not config.is_file():
+        return False
+    recurrent, keys = hybrid_markers(json.loads(config.read_text()))
+    return bool(recurrent or keys)
+
+
 def apply_cpu_defaults(argv: list[str]) -> tuple[list[str], list[tuple[str, str | None]]]:
     """(argv with the CPU defaults the user did not give appended, the defaults added)."""
     if any(a in ("-h", "--help") for a in argv):
         return list(argv), []
-    added = [(flag, value) for flag, value in CPU_DEFAULTS if not _given(argv, flag)]
+    defaults = CPU_DEFAULTS + (HYBRID_CPU_DEFAULTS if hybrid_target(argv) else [])
+    added = [(flag, value) for flag, value in defaults if not _given(argv, flag)]
     out = list(argv)
     for flag, value in added:
         out += [flag] if value is None else [flag, value]

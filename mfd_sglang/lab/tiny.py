@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from ..checkpoint import load_drafter, parse_drafter_config, save_drafter
 from ..drafter import MFDDrafter, context_features
@@ -87,13 +88,19 @@ def corpus_stream(rng: random.Random, tokenizer: PreTrainedTokenizerFast, length
     return tokenizer.convert_tokens_to_ids(words[:length])
 
 
-def target_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
+def target_config(tokenizer: PreTrainedTokenizerFast, hybrid: bool = False) -> Qwen3Config | Qwen3_5TextConfig:
+    """Qwen3-shaped, or with `hybrid` Qwen3.5-shaped: Gated DeltaNet layers (linear attention with a
+    recurrent state and a short convolution) before one full-attention layer."""
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if not hybrid:
+        return Qwen3Config(rope_theta=10000.0, **common)
+    return Qwen3_5TextConfig(
+        layer_types=["linear_attention"] * (TARGET_LAYERS - 1) + ["full_attention"],
+        full_attention_interval=TARGET_LAYERS, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, **common)
 
 
 def drafter_config(tokenizer: PreTrainedTokenizerFast, num_modes: int) -> dict:
@@ -150,8 +157,9 @@ def train_drafter(drafter: MFDDrafter, target: Qwen3ForCausalLM, sequences: torc
 
 
 def make_tiny(outdir: str | Path, *, seed: int = 0, num_modes: int = 4, target_steps: int = 400,
-              drafter_steps: int = 300, log=print) -> Path:
-    """Write OUTDIR/target (HF Qwen3 + tokenizer) and OUTDIR/drafter (MFD checkpoint)."""
+              drafter_steps: int = 300, hybrid: bool = False, log=print) -> Path:
+    """Write OUTDIR/target (HF Qwen3, or with `hybrid` Qwen3.5, + tokenizer) and OUTDIR/drafter (MFD
+    checkpoint)."""
     start = time.perf_counter()
     outdir = Path(outdir)
     rng = random.Random(seed)
@@ -161,7 +169,7 @@ def make_tiny(outdir: str | Path, *, seed: int = 0, num_modes: int = 4, target_s
 
     log(f"[make-tiny] training the target ({target_steps} steps)")
     data = torch.tensor(corpus_stream(rng, tokenizer, 512 * SEQ_LEN)).view(512, SEQ_LEN)
-    target = Qwen3ForCausalLM(target_config(tokenizer))
+    target = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(target_config(tokenizer, hybrid))
     train_target(target, data, target_steps, generator, log)
 
     log(f"[make-tiny] the target's greedy continuations, then the drafter ({drafter_steps} steps, K = {num_modes})")

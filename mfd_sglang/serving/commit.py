@@ -4,7 +4,7 @@ round-cost benchmark (`benchmarks/round_cost.py`), so the code that is measured 
 After the verify forward over each request's window `[root, B tree nodes]` the round commits the root
 and the accepted path: their target K/V move to the front of the window (the caller's KV store does
 the move: SGLang's `move_accept_tokens_to_target_kvcache` in the server, the static cache in the
-benchmark) and the drafter context K/V of the same tokens is written at the front slots of the window.
+benchmark; a hybrid target's recurrent state after the path is committed there too) and the drafter context K/V of the same tokens is written at the front slots of the window.
 Torch only (no sglang import): the benchmark runs where SGLang is not installed.
 """
 
@@ -30,17 +30,18 @@ def committed_window_path(result: TreeVerifyResult, width: int) -> torch.Tensor:
 
 def commit_round(result: TreeVerifyResult, window_hidden: torch.Tensor, seq_lens: torch.Tensor,
                  window_slots: torch.Tensor, context_pool: DraftContextPool, drafter: MFDDrafter,
-                 move_target_kv: Callable[[torch.Tensor], None]) -> None:
+                 commit_target: Callable[[torch.Tensor], None]) -> None:
     """Commit one round of bs requests with verify windows of N tokens (root first).
 
     window_hidden [bs, N, F]: the target's drafter features of every window token; seq_lens [bs]:
     committed tokens before the round (the root sits at position seq_lens); window_slots [bs, N]: the
-    KV slots the verify wrote; move_target_kv(path): moves the target K/V of the window indices
-    path [bs, W] (-1: none) to the window's first W slots. Fixed shapes, no host sync.
+    KV slots the verify wrote; commit_target(path): commits the target's side of the window indices
+    path [bs, W] (-1: none): their K/V to the window's first W slots and, for a hybrid target, the
+    recurrent state after the last of them. Fixed shapes, no host sync.
     """
     width = min(drafter.cfg.block_size, window_slots.shape[1])  # root + the longest possible path
     path = committed_window_path(result, width)
-    move_target_kv(path)
+    commit_target(path)
     # Rows past a request's accepted length land in slots it has reserved but not committed;
     # the round that commits those positions overwrites them.
     rows = path.clamp(min=0)[:, :, None].expand(-1, -1, window_hidden.shape[-1])

@@ -3,10 +3,13 @@
 MFD verifies its tree in one TARGET_VERIFY forward whose spec input says top-k 1 with a FULL_MASK
 tree mask (SGLang 0.5.23's EAGLE verify layout). Three things next to that path ignore the tree:
 
-- Hybrid linear-attention / Mamba targets (Qwen3.5 / Qwen3.6, Qwen3-Next, Nemotron-H, Falcon-H1,
-  Kimi-Linear, ...): at top-k 1 SGLang's hybrid linear-attention backend runs the verify window as a
-  chain, so every recurrent / convolution layer reads each tree node as if it followed the previous
-  node of the flat window.
+- Hybrid linear-attention / Mamba targets (Qwen3-Next, Nemotron-H, Falcon-H1, Kimi-Linear, ...): at
+  top-k 1 SGLang's hybrid linear-attention backend runs the verify window as a chain, so every
+  recurrent / convolution layer reads each tree node as if it followed the previous node of the flat
+  window. The exception, served: Gated DeltaNet hybrids of the Qwen3.5 family (Qwen3.5 / Qwen3.6),
+  whose backend MFD switches to its tree path (`mfd_sglang.patches.hybrid_tree_verify`; proven
+  token for token on CPU, `tests/test_hybrid_mfd_server.py`). The runner check holds the
+  instantiated backend to that.
 - Sliding-window or chunked attention (Gemma 2/3/4, gpt-oss, ...): FlashInfer trims the verify's keys
   to the window without the start index the tree mask rows assume, and Triton's window test uses a
   node's row in the window instead of its depth in the tree.
@@ -36,9 +39,13 @@ HYBRID_CONFIG_KEYS = ("full_attention_interval", "linear_attn_config", "hybrid_o
                       "layers_block_type", "linear_conv_kernel_dim", "mamba_d_state", "ssm_state_size")
 SPLITKV_VERIFY_ENV = "SGLANG_ENABLE_SPLITKV_VERIFY"
 
+# Hybrids whose recurrent layers are Gated DeltaNet run by SGLang's GDN backend, which verifies trees.
+TREE_VERIFIED_HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 HYBRID_REASON = ("hybrid linear-attention / state-space target: SGLang verifies a top-k 1 window through "
                  "its recurrent layers as a chain, so tree nodes would read the state of the node before "
-                 "them instead of their parent's and MFD would return wrong tokens")
+                 "them instead of their parent's and MFD would return wrong tokens (MFD verifies trees "
+                 "on the Gated DeltaNet hybrids of the Qwen3.5 family only: model types "
+                 f"{', '.join(TREE_VERIFIED_HYBRID_MODEL_TYPES)})")
 WINDOW_REASON = ("sliding-window / chunked attention target: SGLang's windowed verify paths do not line up "
                  "the window with the tree mask (FlashInfer trims keys without the window start, Triton "
                  "windows by row instead of tree depth), so MFD would return wrong tokens")
@@ -49,15 +56,34 @@ def _architecture(config: dict) -> str:
     return archs[0] if archs else str(config.get("model_type", "unknown"))
 
 
+def _merged(config: dict) -> dict:
+    """The model config with its text config's keys over it."""
+    return {**config, **dict(config.get("text_config") or {})}
+
+
+def hybrid_markers(config: dict) -> tuple[list[str], list[str]]:
+    """(recurrent layer types, hybrid-only config keys) that a config.json names; both empty for a
+    target made of attention layers only."""
+    merged = _merged(config)
+    layer_types = [str(t) for t in (merged.get("layer_types") or [])]
+    recurrent = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    return recurrent, [k for k in HYBRID_CONFIG_KEYS if merged.get(k) is not None]
+
+
+def tree_verified_hybrid(config: dict) -> bool:
+    """A Gated DeltaNet hybrid of the Qwen3.5 family: recurrent layers of type linear_attention only."""
+    recurrent, _ = hybrid_markers(config)
+    model_types = {config.get("model_type"), _merged(config).get("model_type")}
+    return set(recurrent) <= {"linear_attention"} and bool(model_types & set(TREE_VERIFIED_HYBRID_MODEL_TYPES))
+
+
 def _raw_problems(config: dict) -> list[str]:
     """What the config.json itself says (model and text config both read)."""
-    text = dict(config.get("text_config") or {})
-    merged = {**config, **text}
+    merged = _merged(config)
     layer_types = [str(t) for t in (merged.get("layer_types") or [])]
     problems = []
-    recurrent = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
-    hybrid_keys = [k for k in HYBRID_CONFIG_KEYS if merged.get(k) is not None]
-    if recurrent or hybrid_keys:
+    recurrent, hybrid_keys = hybrid_markers(config)
+    if (recurrent or hybrid_keys) and not tree_verified_hybrid(config):
         found = (f"layer_types {recurrent}" if recurrent else "") + (
             f"{'; ' if recurrent else ''}config keys {hybrid_keys}" if hybrid_keys else "")
         problems.append(f"{HYBRID_REASON} ({found})")
@@ -69,9 +95,9 @@ def _raw_problems(config: dict) -> list[str]:
     return problems
 
 
-def _sglang_problems(model_path: str, trust_remote_code: bool, revision) -> list[str]:
+def _sglang_problems(model_path: str, trust_remote_code: bool, revision, tree_verified: bool) -> list[str]:
     """What SGLang's own predicates say of the config it will load (its config classes, its hybrid
-    and hybrid-SWA architecture lists)."""
+    and hybrid-SWA architecture lists); tree_verified: a hybrid MFD verifies trees on."""
     from sglang.srt.configs.hybrid_arch import mambaish_config
     from sglang.srt.configs.linear_attn_model_registry import get_linear_attn_config
     from sglang.srt.configs.model_config import is_hybrid_swa_model
@@ -85,7 +111,7 @@ def _sglang_problems(model_path: str, trust_remote_code: bool, revision) -> list
     view = SimpleNamespace(hf_config=hf_config, is_draft_model=False,
                            linear_attn_registry_result=get_linear_attn_config(hf_config))
     problems = []
-    if mambaish_config(view) is not None:
+    if mambaish_config(view) is not None and not tree_verified:
         problems.append(f"{HYBRID_REASON} (SGLang serves {type(hf_config).__name__} with its hybrid "
                         "linear-attention backend)")
     if is_hybrid_swa_model(list(hf_config.architectures or []), hf_config.get_text_config()):
@@ -101,7 +127,7 @@ def target_refusal(model_path, *, trust_remote_code: bool = False, revision=None
         return None  # a hub id or a GGUF file: SGLang resolves it, the worker check still runs
     config = json.loads(config_path.read_text())
     problems = _raw_problems(config)
-    for problem in _sglang_problems(str(model_path), trust_remote_code, revision):
+    for problem in _sglang_problems(str(model_path), trust_remote_code, revision, tree_verified_hybrid(config)):
         if problem.split(" (")[0] not in {p.split(" (")[0] for p in problems}:
             problems.append(problem)
     if not problems:
@@ -145,7 +171,10 @@ def check_target_runner(model_runner) -> None:
     arch = (list(model_config.hf_config.architectures or []) or [type(model_config.hf_config).__name__])[0]
     problems = []
     if mambaish_config(model_config) is not None:  # SGLang's own test for its hybrid linear backend
-        problems.append(HYBRID_REASON)
+        linear = getattr(model_runner.attn_backend, "linear_attn_backend", None)
+        if type(linear).__name__ != "GDNAttnBackend" or linear.topk <= 1:
+            problems.append(f"{HYBRID_REASON} (linear-attention backend {type(linear).__name__}"
+                            f"{'' if linear is None else f', tree path {linear.topk > 1}'})")
     window = getattr(model_runner, "sliding_window_size", None)
     if window is not None or getattr(model_config, "is_hybrid_swa", False):
         problems.append(f"{WINDOW_REASON} (window {window})")

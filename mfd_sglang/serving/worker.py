@@ -34,6 +34,7 @@ from collections import deque
 
 import torch
 
+from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.distributed import get_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -44,6 +45,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import eagle_prepare_for_verify
 from sglang.srt.speculative.spec_utils import (GrammarTree, build_grammar_vocab_mask,
+                                                commit_mamba_states_after_verify,
                                                 move_accept_tokens_to_target_kvcache)
 from sglang.srt.utils import async_h2d
 
@@ -142,6 +144,8 @@ class MFDWorkerV2(BaseSpecWorker):
         self._draft_worker = None  # the drafter runs in this worker, not in a second TpModelWorker
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
+        # A hybrid Gated DeltaNet target keeps a recurrent / conv state per request, committed each round.
+        self.recurrent_target = mambaish_config(self.model_runner.model_config) is not None
 
         spec = get_spec()
         algorithm = self.model_runner.spec_algorithm
@@ -513,20 +517,24 @@ class MFDWorkerV2(BaseSpecWorker):
     def commit(self, verify_batch, result: TreeVerifyResult, target_hidden: torch.Tensor,
                seq_lens: torch.Tensor) -> None:
         """Target KV of the accepted path to the front of the verify window (SGLang's
-        `move_accept_tokens_to_target_kvcache`); drafter context K/V of the committed tokens (root +
+        `move_accept_tokens_to_target_kvcache`) and, for a hybrid target, the recurrent / conv state
+        after its last node into the request's state (SGLang's `commit_mamba_states_after_verify`; the
+        verify kept every node's state aside); drafter context K/V of the committed tokens (root +
         accepted nodes) into their slots. The stage itself is `commit_round`, shared with the
         round-cost benchmark."""
         bs = seq_lens.shape[0]
         num_nodes = verify_batch.spec_info.draft_token_num  # the round's window: root + its tree
         allocator = self.model_runner.token_to_kv_pool_allocator
 
-        def move_target_kv(path: torch.Tensor) -> None:
-            if num_nodes == 1:  # a plain-decoding round: the root's K/V is already where it belongs
-                return
+        def commit_target(path: torch.Tensor) -> None:
             # SGLang indexes the batch's flat verify window (request b's node i: b * N + i).
             base = torch.arange(bs, device=path.device)[:, None] * num_nodes
             accept_index = torch.where(path >= 0, base + path, -1)
-            move_accept_tokens_to_target_kvcache(verify_batch, accept_index, result.accept_lens - 1, allocator)
+            if self.recurrent_target:
+                commit_mamba_states_after_verify(self.target_worker, verify_batch, result.accept_lens,
+                                                 accept_index, num_nodes)
+            if num_nodes > 1:  # a plain-decoding round's K/V is already where it belongs
+                move_accept_tokens_to_target_kvcache(verify_batch, accept_index, result.accept_lens - 1, allocator)
 
         commit_round(result, target_hidden.view(bs, num_nodes, -1), seq_lens,
-                     verify_batch.out_cache_loc.view(bs, num_nodes), self.context_pool, self.drafter, move_target_kv)
+                     verify_batch.out_cache_loc.view(bs, num_nodes), self.context_pool, self.drafter, commit_target)

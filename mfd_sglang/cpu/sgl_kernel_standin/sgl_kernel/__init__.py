@@ -16,8 +16,11 @@ naming the op when called (``_unavailable``). Deliberately absent, because SGLan
 import and has its own fallback: ``sgl_kernel.scalar_type`` (``layers/quantization/utils.py``
 mocks it) and ``sgl_kernel.allreduce`` (custom all-reduce, tensor parallel only).
 
-Deliberately NOT done: registering any ``torch.ops.sgl_kernel.*`` op. SGLang probes that namespace
-to decide whether the Intel AMX kernels exist; a registration would route models onto them.
+Hybrid Gated DeltaNet models (Qwen3.5 / Qwen3.6) on CPU: ``sgl_kernel.mamba`` (causal convolution,
+chunked gated delta rule) and the ``torch.ops.sgl_kernel.*_cpu`` ops their model and backend bind
+(``hybrid_ops``, registered as torch library ops because SGLang reads them from ``torch.ops``). SGLang
+probes that namespace for Intel AMX through ``convert_weight_packed`` only, which stays unregistered,
+so no model is routed onto AMX kernels.
 
 The ``*_cpu`` functions mutate their output arguments in place and return None, like the kernels.
 Functions that SGLang only imports (never calls on the paths this project uses) raise
@@ -425,3 +428,9 @@ from .model_ops import (  # noqa: E402,F401
     top_p_renorm_prob,
     weak_ref_tensor,
 )
+
+# Hybrid Gated DeltaNet models (Qwen3.5 / Qwen3.6) on CPU: `sgl_kernel.mamba` loads when SGLang imports
+# from it; the model's fused ops are torch library ops, registered here.
+from . import hybrid_ops  # noqa: E402
+
+hybrid_ops.register()
