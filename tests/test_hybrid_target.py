@@ -85,6 +85,27 @@ def test_the_launcher_adds_what_hybrid_targets_need(hybrid_pair):
     assert not hybrid_target(["--model", "not/a/local/dir"])
 
 
+def test_the_tree_path_hooks_apply_to_mfd_only(monkeypatch):
+    """What makes SGLang verify MFD's tree on a hybrid: the linear-attention backend's tree path (top-k > 1)
+    on MFD target runners only, and dense per-step conv windows while MFD is served (the deduplicated
+    ones assume a chain; they exist on CUDA only, so this is the only CPU check of that hook)."""
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as runtime_context
+
+    from mfd_sglang.patches.hybrid_tree_verify import dense_conv_windows_around, tree_path_after
+
+    for algorithm, draft, want in (("MFD_D", False, 2), ("EAGLE", False, 1), ("MFD", True, 1)):
+        backend = SimpleNamespace(topk=1)
+        runner = SimpleNamespace(spec_algorithm=SimpleNamespace(name=algorithm), is_draft_worker=draft)
+        tree_path_after(None, backend, runner)
+        assert backend.topk == want, (algorithm, draft)
+    dedup = lambda *args: True  # noqa: E731  (SGLang's answer for a CUDA chain)
+    for algorithm, want in (("MFD", False), ("MFD_D", False), ("EAGLE", True), (None, True)):
+        monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_algorithm=algorithm))
+        assert dense_conv_windows_around(dedup, False, False, 1, False) is want, algorithm
+
+
 def test_concurrent_chunked_and_cached_prefills_match_hf_greedy(hybrid_server, hybrid_prompts, hybrid_greedy):
     assert len({tuple(w) for w in hybrid_greedy}) >= 5, "the continuations must differ (a constant answer proves little)"
     with concurrent.futures.ThreadPoolExecutor(len(hybrid_prompts)) as pool:

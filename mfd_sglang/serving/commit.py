@@ -4,7 +4,8 @@ round-cost benchmark (`benchmarks/round_cost.py`), so the code that is measured 
 After the verify forward over each request's window `[root, B tree nodes]` the round commits the root
 and the accepted path: their target K/V move to the front of the window (the caller's KV store does
 the move: SGLang's `move_accept_tokens_to_target_kvcache` in the server, the static cache in the
-benchmark; a hybrid target's recurrent state after the path is committed there too) and the drafter context K/V of the same tokens is written at the front slots of the window.
+benchmark; the server also commits a hybrid target's recurrent state after the path) and the drafter
+context K/V of the same tokens is written at the front slots of the window.
 Torch only (no sglang import): the benchmark runs where SGLang is not installed.
 """
 
