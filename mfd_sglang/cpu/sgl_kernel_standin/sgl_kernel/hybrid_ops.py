@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .mamba import _expand_heads, gated_delta_step, l2_normalized
+from .mamba import gated_delta_rule
 from .model_ops import _rms_normalized
 
 
@@ -95,28 +95,13 @@ def fused_sigmoid_gating_delta_rule_update_cpu(
     if is_kda:
         raise NotImplementedError("sgl_kernel stand-in: fused_sigmoid_gating_delta_rule_update_cpu for KDA")
     heads = v.shape[-2]
-    q, k, v = q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
-    qf, kf = (l2_normalized(t) if use_qk_l2norm_in_kernel else t.float() for t in (q, k))
-    qf, kf = _expand_heads(qf * k.shape[-1] ** -0.5, heads), _expand_heads(kf, heads)
     g, beta = _gates(A_log, a.reshape(-1, heads), dt_bias, b.reshape(-1, heads), softplus_beta, softplus_threshold)
-    vf = v.float()
-    out = torch.empty(v.shape, dtype=torch.float32)
-    starts = cu_seqlens.tolist()
-    for r in range(len(starts) - 1):
-        slot = int(initial_state_indices[r])
-        initial = (initial_state_source[slot].float() if slot >= 0
-                   else torch.zeros(initial_state_source.shape[1:], dtype=torch.float32))
-        cache = -1 if intermediate_states_buffer is None else int(intermediate_state_indices[r])
-        state = initial
-        for step, t in enumerate(range(starts[r], starts[r + 1])):
-            if retrieve_parent_token is not None and step > 0 and cache >= 0:
-                state = intermediate_states_buffer[cache, int(retrieve_parent_token[r, step])].float()
-            state, out[t] = gated_delta_step(state, qf[t], kf[t], vf[t], g[t], beta[t])
-            if cache >= 0:
-                intermediate_states_buffer[cache, step] = state.to(intermediate_states_buffer.dtype)
-        if not disable_state_update and slot >= 0:
-            initial_state_source[slot] = state.to(initial_state_source.dtype)
-    return out.to(v.dtype)[None]
+    out = gated_delta_rule(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]),
+                           g, beta, initial_state_source, initial_state_indices, cu_seqlens,
+                           l2norm=use_qk_l2norm_in_kernel, update_state=not disable_state_update,
+                           scratch=intermediate_states_buffer, scratch_rows=intermediate_state_indices,
+                           parents=retrieve_parent_token)
+    return out.to(v.dtype).reshape(1, *out.shape)
 
 
 SCHEMAS = {

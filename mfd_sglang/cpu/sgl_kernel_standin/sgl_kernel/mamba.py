@@ -40,6 +40,16 @@ def _conv_window(window: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return _activate(out, activation)
 
 
+def _conv_sequence(history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   activation: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's tokens x [dim, n] after its last W - 1 inputs history [dim, W - 1] (oldest first):
+    (outputs [dim, n] in x's dtype, the new history: the last W - 1 inputs)."""
+    seq = torch.cat([history.to(x.dtype), x], dim=1)  # [dim, W - 1 + n]
+    windows = seq.unfold(1, weight.shape[1], 1)  # [dim, n, W]
+    out = _conv_window(windows, weight[:, None, :], bias[:, None] if bias is not None else None, activation)
+    return out.to(x.dtype), seq[:, -history.shape[1]:]
+
+
 @traced
 def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                          activation: Optional[str] = None, conv_states: Optional[torch.Tensor] = None,
@@ -57,15 +67,10 @@ def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     for r in range(len(starts) - 1):
         lo, hi = starts[r], starts[r + 1]
         slot = int(cache_indices[r])
-        if has_initial_state is not None and bool(has_initial_state[r]):
-            history = conv_states[slot].to(x.dtype)
-        else:
-            history = x.new_zeros(dim, width - 1)
-        seq = torch.cat([history, x[:, lo:hi]], dim=1)  # [dim, W - 1 + n]
-        windows = seq.unfold(1, width, 1)  # [dim, n, W]
-        out[:, lo:hi] = _conv_window(windows, weight[:, None, :], bias[:, None] if bias is not None else None,
-                                     activation).to(x.dtype)
-        conv_states[slot] = seq[:, -(width - 1):].to(conv_states.dtype)
+        cached = has_initial_state is not None and bool(has_initial_state[r])
+        history = conv_states[slot] if cached else x.new_zeros(dim, width - 1)
+        out[:, lo:hi], history = _conv_sequence(history, x[:, lo:hi], weight, bias, activation)
+        conv_states[slot] = history.to(conv_states.dtype)
     return out
 
 
@@ -115,10 +120,9 @@ def _verify_conv(x, conv_state, weight, bias, activation, conv_state_indices, in
             path += [history[:, -k] for k in range(1, width - len(path) + 1)]
             window = torch.stack(path[::-1], dim=1)  # [dim, W], oldest first
             out[r, :, step] = _conv_window(window, weight, bias, activation).to(x.dtype)
-            if intermediate_conv_window is not None:
-                cache = int(intermediate_state_indices[r])
-                if cache >= 0:
-                    intermediate_conv_window[cache, step] = window[:, 1:].to(intermediate_conv_window.dtype)
+            cache = int(intermediate_state_indices[r])
+            if cache >= 0:
+                intermediate_conv_window[cache, step] = window[:, 1:].to(intermediate_conv_window.dtype)
     return out
 
 
@@ -145,28 +149,25 @@ def causal_conv1d_update_cpu(x: torch.Tensor, conv_state: torch.Tensor, weight: 
                            intermediate_state_indices, retrieve_next_token, retrieve_next_sibling,
                            retrieve_parent_token)
         return out[..., 0] if squeeze else out
-    width = weight.shape[1]
     out = torch.empty_like(xs)
     for r in range(xs.shape[0]):
         slot = int(indices[r])
         if slot < 0:  # padding rows
             out[r] = 0
             continue
-        seq = torch.cat([conv_state[slot].to(xs.dtype), xs[r]], dim=1)
-        out[r] = _conv_window(seq.unfold(1, width, 1), weight[:, None, :],
-                              bias[:, None] if bias is not None else None, activation).to(xs.dtype)
-        conv_state[slot] = seq[:, -(width - 1):].to(conv_state.dtype)
+        out[r], history = _conv_sequence(conv_state[slot], xs[r], weight, bias, activation)
+        conv_state[slot] = history.to(conv_state.dtype)
     return out[..., 0] if squeeze else out
 
 
-def l2_normalized(x: torch.Tensor) -> torch.Tensor:
+def _l2_normalized(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(sum(x^2) + 1e-6) over the last dim, float32 (FLA's and the Triton kernels' l2norm)."""
     x = x.float()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule for all heads, float32: state [HV, V, K]; q, k [HV, K]
     (normalised and q scaled by the caller); v [HV, V]; g (log decay), beta [HV].
     state *= exp(g); v' = beta * (v - state k); state += v' k^T; out = state q."""
@@ -174,6 +175,38 @@ def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     delta = (v - (state * k[:, None, :]).sum(-1)) * beta[:, None]
     state = state + delta[:, :, None] * k[:, None, :]
     return state, (state * q[:, None, :]).sum(-1)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, *, l2norm: bool,
+                     scale: Optional[float] = None, update_state: bool = True,
+                     scratch: Optional[torch.Tensor] = None, scratch_rows: Optional[torch.Tensor] = None,
+                     parents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gated delta rule over requests packed by cu_seqlens: q, k [T, H, K], v [T, HV, V], g, beta
+    [T, HV]. Request r starts from pool[slots[r]] (zeros for a slot < 0) and, with update_state, leaves
+    its final state there. With scratch [rows, steps, HV, V, K]: the state after each step goes to
+    scratch[scratch_rows[r], step], and with parents [bs, steps] step j > 0 starts from the state after
+    its parent's step instead of the previous one (a tree). Returns the outputs [T, HV, V] in float32."""
+    heads = v.shape[-2]
+    qf, kf = (_l2_normalized(t) if l2norm else t.float() for t in (q, k))
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf = _expand_heads(qf * scale, heads), _expand_heads(kf, heads)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=torch.float32)
+    starts = cu_seqlens.tolist()
+    for r in range(len(starts) - 1):
+        slot = int(slots[r])
+        state = pool[slot].float() if slot >= 0 else torch.zeros(pool.shape[1:], dtype=torch.float32)
+        row = -1 if scratch is None else int(scratch_rows[r])
+        for step, t in enumerate(range(starts[r], starts[r + 1])):
+            if parents is not None and step > 0 and row >= 0:
+                state = scratch[row, int(parents[r, step])].float()
+            state, out[t] = _gated_delta_step(state, qf[t], kf[t], vf[t], gf[t], bf[t])
+            if row >= 0:
+                scratch[row, step] = state.to(scratch.dtype)
+        if update_state and slot >= 0:
+            pool[slot] = state.to(pool.dtype)
+    return out
 
 
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -195,17 +228,7 @@ def chunk_gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     for name in ("state_checkpoint_cu_starts", "track_state"):
         if unsupported.get(name) is not None:
             raise NotImplementedError(f"sgl_kernel.mamba stand-in: chunk_gated_delta_rule_cpu with {name}")
-    heads = v.shape[2]
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    qf, kf = (l2_normalized(t) if use_qk_l2norm_in_kernel else t.float() for t in (q[0], k[0]))
-    qf, kf = _expand_heads(qf * scale, heads), _expand_heads(kf, heads)
-    vf, gf, bf = v[0].float(), g[0].float(), beta[0].float()
-    out = torch.empty(v.shape[1:], dtype=torch.float32)
-    starts = cu_seqlens.tolist()
-    for r in range(len(starts) - 1):
-        slot = int(initial_state_indices[r]) if initial_state_indices is not None else r
-        state = initial_state[slot].float()
-        for t in range(starts[r], starts[r + 1]):
-            state, out[t] = gated_delta_step(state, qf[t], kf[t], vf[t], gf[t], bf[t])
-        initial_state[slot] = state.to(initial_state.dtype)
+    slots = initial_state_indices if initial_state_indices is not None else torch.arange(len(cu_seqlens) - 1)
+    out = gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], initial_state, slots, cu_seqlens,
+                           l2norm=use_qk_l2norm_in_kernel, scale=scale)
     return out.to(v.dtype)[None], None, None
