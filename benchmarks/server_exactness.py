@@ -8,8 +8,8 @@ several requests are verified).
 On a GPU the matrix is {fp32, bf16} x {CUDA graphs + overlap scheduling on, graphs off}, plus fp32 with
 graphs, overlap and KV pages of 16 tokens, each with a plain, an MFD (K = 8, B = 64) and an MFD_D
 server, and on a GPU also an MFD_D server with the automatic budget (MFD_SGLANG_AUTO_BUDGET=1: draft
-graphs per budget, smaller verify windows eager, plain-decoding rounds; on CPU tests/test_auto_budget.py
-holds it); the servers of one graph setting start together (one H200 holds them all; start-up dominates
+and verify graphs per budget, plain-decoding rounds; its row also requires the start-up log to list a
+verify graph for every candidate budget's window; on CPU tests/test_auto_budget.py holds it); the servers of one graph setting start together (one H200 holds them all; start-up dominates
 the time). On a CPU: fp32 only, eager, one at a time.
 The target is written as a Hugging Face Qwen3 checkpoint (random weights, the width of Qwen3-4B,
 fewer layers: exactness does not depend on depth, start-up time does) with a random K = 8 drafter;
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from mfd_sglang.checkpoint import save_drafter
+from mfd_sglang.serving.budget import candidate_budgets
 from mfd_sglang.server_process import ServerProcess, free_port, generate_ids, launch_command
 from round_cost import TargetConfig, drafter_raw_config, random_drafter, spread_layer_ids
 
@@ -142,8 +144,11 @@ def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, promp
                 outs = list(pool.map(lambda p: generate_ids(server, p, max_new_tokens), prompts))
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+    # The automatic budget's per-window verify graphs, as the worker logged them at start-up.
+    captured = re.search(r"tree-verify CUDA graphs captured for windows of \[([\d, ]*)\]", log.read_text())
     return {"ids": [ids for ids, _ in outs], "startup_s": round(ready, 1),
-            "accept_length": [meta.get("spec_accept_length") for _, meta in outs]}
+            "accept_length": [meta.get("spec_accept_length") for _, meta in outs],
+            "verify_graph_widths": [int(w) for w in captured.group(1).split(",")] if captured else None}
 
 
 def compare(name: str, config: ServerConfig, spec: dict, plain: dict, budget: int, prompts: list[list[int]],
@@ -158,7 +163,11 @@ def compare(name: str, config: ServerConfig, spec: dict, plain: dict, budget: in
     ids, ref = spec["ids"], plain["ids"]
     complete = all(len(x) == max_new_tokens for x in ids + ref)
     exact = ids == ref
-    row.update(exact=exact, complete=complete, ok=complete and (exact or not row["exact_required"]),
+    graphs_ok = True
+    if name == AUTO_SERVER[0] and config.cuda_graphs:  # a verify graph for every budget it may play
+        row["verify_graph_widths"] = spec["verify_graph_widths"]
+        graphs_ok = spec["verify_graph_widths"] == [b + 1 for b in candidate_budgets(budget)]
+    row.update(exact=exact, complete=complete, ok=complete and graphs_ok and (exact or not row["exact_required"]),
                first_divergence=[next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                  for x, y in zip(ids, ref)],
                accept_length=spec["accept_length"], startup_s=spec["startup_s"],

@@ -289,6 +289,81 @@ def test_verify_graphs_are_captured_with_the_tree_mask(backend):
     assert not graph_runner.can_run_graph(SimpleNamespace(spec_info=stock))
 
 
+# Publishes a real SGLang config (ServerArgs of an MFD server at 9 draft tokens), as a scheduler does.
+VERIFY_WIDTHS = """
+import json, sys
+from types import SimpleNamespace
+from sglang.srt.runtime_context import get_spec, publish
+from sglang.srt.server_args import ServerArgs
+from mfd_sglang.serving.algorithms import register_algorithms
+from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth, capture_verify_width
+
+register_algorithms()
+pair = sys.argv[1]
+publish(ServerArgs(model_path=pair + "/target", speculative_algorithm="MFD", speculative_draft_model_path=pair + "/drafter",
+                   speculative_num_draft_tokens=9, device="cpu", attention_backend="triton", skip_tokenizer_init=True),
+        role="scheduler")
+built = []
+
+class Backend:
+    def __init__(self, init_new_workspace):
+        self.width = get_spec().speculative_num_draft_tokens  # what a backend sizes its graph state from
+        built.append(("backend", self.width, init_new_workspace))
+
+class Runner:
+    def __init__(self, model_runner, *, attn_backend, speculative_num_steps, speculative_num_draft_tokens):
+        if speculative_num_draft_tokens == 3:
+            raise RuntimeError("capture failed")
+        self.width = speculative_num_draft_tokens
+        built.append(("runner", speculative_num_draft_tokens, get_spec().speculative_num_draft_tokens,
+                      attn_backend.width, attn_backend.decode_attention_backend_str))
+
+def new_backend(init_new_workspace):
+    runner.init_new_workspace = init_new_workspace  # as SGLang's get_attention_backend does
+    return Backend(init_new_workspace)
+
+runner = SimpleNamespace(attn_backend="launch backend", decode_cuda_graph_runner="launch graphs", init_new_workspace=False,
+                         prefill_attention_backend_str="triton", decode_attention_backend_str="triton",
+                         _get_attention_backend=new_backend)
+capture = lambda model_runner, width: capture_verify_width(model_runner, width, runner_cls=Runner)
+graphs = VerifyGraphsByWidth(runner, [1, 5, 9], capture=capture)
+out = {"built": list(built), "widths": sorted(graphs.states), "spec_after": get_spec().speculative_num_draft_tokens,
+       "workspace_flag": runner.init_new_workspace}
+graphs.activate(5)
+out["active_5"] = [runner.attn_backend.width, runner.decode_cuda_graph_runner.width]
+graphs.activate(1)
+out["active_1"] = [runner.attn_backend.width, runner.decode_cuda_graph_runner.width]
+graphs.activate(9)
+out["active_9"] = [runner.attn_backend, runner.decode_cuda_graph_runner]
+try:
+    capture(runner, 3)
+except RuntimeError as exc:
+    out["failed"] = [str(exc), get_spec().speculative_num_draft_tokens, runner.init_new_workspace]
+print("WIDTHS " + json.dumps(out))
+"""
+
+
+def test_verify_graphs_by_width_capture_each_width_and_activate_it(tiny_pair):
+    """Under the automatic budget the target gets one tree-verify graph runner per window width: each
+    built over a new attention backend while SGLang's resolved speculative_num_draft_tokens reads that
+    width (backends size their graph state from it), the launch value restored afterwards (also when a
+    capture fails); `activate(width)` puts that width's backend and runner on the model runner. The
+    config is SGLang's real published one; backend and runner are recording stand-ins (capture needs a
+    GPU: the GPU check's automatic-budget server row holds the real graphs to plain decoding)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",)}
+    proc = subprocess.run([sys.executable, "-c", VERIFY_WIDTHS, str(tiny_pair)], capture_output=True, text=True,
+                          timeout=600, env=dict(env, HF_HUB_OFFLINE="1", MFD_SGLANG_CPU="1"), cwd=REPO)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("WIDTHS ")), None)
+    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-4000:]
+    out = json.loads(line[len("WIDTHS "):])
+    assert out["built"] == [["backend", 1, True], ["runner", 1, 1, 1, "triton"],
+                            ["backend", 5, True], ["runner", 5, 5, 5, "triton"]]
+    assert out["widths"] == [1, 5, 9] and out["spec_after"] == 9 and out["workspace_flag"] is False
+    assert out["active_5"] == [5, 5] and out["active_1"] == [1, 1]
+    assert out["active_9"] == ["launch backend", "launch graphs"]
+    assert out["failed"] == ["capture failed", 9, False]
+
+
 def _draft_graph_worker(tiny_pair, device: str):
     """An MFDWorkerV2 with only what its draft + tree stage reads (no SGLang model runner)."""
     from mfd_sglang.serving.worker import MFDWorkerV2

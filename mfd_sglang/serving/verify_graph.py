@@ -11,15 +11,27 @@ positions / KV slots are copied into the runner's static buffers; a batch smalle
 size is padded by the runner (EAGLE's `generate_attn_arg_prefill` pads the mask to match).
 
 Installed by `mfd_sglang.patches.verify_graph` through `ModelRunner._decode_cuda_graph_runner_cls`.
+
+Under the automatic budget a round verifies a window of b + 1 tokens for its budget b (1 for plain
+decoding), and a graph replays only the width it was captured with: `VerifyGraphsByWidth` captures one
+runner per candidate width, each over an attention backend of its own (a backend's graph buffers and
+per-batch-size metadata belong to the width it was captured for), and a round activates its width's
+pair on the target's model runner. SGLang 0.5.23's EAGLE adaptive steps keep per-step-count runtime
+states the same way (`EAGLEWorkerV2.build_adaptive_runtime_state` / `apply_runtime_state`).
 """
 
 from __future__ import annotations
 
 import torch
 
+import logging
+
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.runtime_context import get_context, get_spec
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+logger = logging.getLogger(__name__)
 
 
 def tree_verify_capture_input(num_draft_tokens: int, custom_mask: torch.Tensor) -> EagleVerifyInput:
@@ -52,3 +64,52 @@ class MFDVerifyCudaGraphRunner(DecodeCudaGraphRunner):
     def can_run_graph(self, forward_batch) -> bool:
         # Only MFD's tree verify was captured; anything else (there is nothing else today) runs eagerly.
         return isinstance(forward_batch.spec_info, EagleVerifyInput) and super().can_run_graph(forward_batch)
+
+
+def capture_verify_width(model_runner, width: int, runner_cls=MFDVerifyCudaGraphRunner):
+    """(attention backend, graph runner) of the target's tree verify at `width` tokens per request:
+    a new backend (new workspace) and its runner, both built while SGLang's resolved
+    speculative_num_draft_tokens reads `width` (backends size their graph state from it)."""
+    launch_width = get_spec().speculative_num_draft_tokens
+    workspace_flag = model_runner.init_new_workspace
+    get_context().override("mfd.verify_width_capture", speculative_num_draft_tokens=width)
+    try:
+        backend = model_runner._get_attention_backend(init_new_workspace=True)
+        # What SGLang's build_attention_backends records on the launch backend for model dispatch.
+        backend.prefill_attention_backend_str = model_runner.prefill_attention_backend_str
+        backend.decode_attention_backend_str = model_runner.decode_attention_backend_str
+        runner = runner_cls(model_runner, attn_backend=backend, speculative_num_steps=1,
+                            speculative_num_draft_tokens=width)
+    finally:
+        model_runner.init_new_workspace = workspace_flag
+        get_context().override("mfd.verify_width_restore", speculative_num_draft_tokens=launch_width)
+    return backend, runner
+
+
+def device_free_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
+class VerifyGraphsByWidth:
+    """The target's tree-verify graphs at every window width in `widths`: the launch width's are
+    SGLang's own (captured at start-up), the others captured here. `activate(width)` points the model
+    runner's attention backend and decode graph runner at that width's pair; they stay active until
+    another width is activated (prefills run on whichever backend is active, as under EAGLE's
+    adaptive steps: every one is a complete backend)."""
+
+    def __init__(self, model_runner, widths, capture=capture_verify_width):
+        self.model_runner = model_runner
+        self.active = int(get_spec().speculative_num_draft_tokens)
+        self.states = {self.active: (model_runner.attn_backend, model_runner.decode_cuda_graph_runner)}
+        free_before = device_free_bytes()
+        for width in sorted(set(widths) - {self.active}):
+            self.states[width] = capture(model_runner, width)
+        # Not in MFD's launch-time memory plan yet (a backend's graph state depends on its kind): logged.
+        logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request (the "
+                    "extra widths took %.0f MiB of device memory)", sorted(self.states),
+                    (free_before - device_free_bytes()) / 2**20)
+
+    def activate(self, width: int) -> None:
+        if width != self.active:
+            self.model_runner.attn_backend, self.model_runner.decode_cuda_graph_runner = self.states[width]
+            self.active = width

@@ -67,6 +67,7 @@ from .penalties import (OutputPenalties, adjust_tree_logits, count_resumed_outpu
                         path_token_counts)
 from .sampling_mask import sampling_mask_output
 from .target_checks import check_target_runner
+from .verify_graph import MFDVerifyCudaGraphRunner, VerifyGraphsByWidth
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ class MFDWorkerV2(BaseSpecWorker):
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         self.context_pool: DraftContextPool | None = None
         self.draft_graphs: BatchGraphs | None = None
+        self.verify_graphs: VerifyGraphsByWidth | None = None  # per-budget verify graphs (automatic budget)
         cfg = self.drafter.cfg
         logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d), tree budget %s, "
                     "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm.name,
@@ -233,12 +235,19 @@ class MFDWorkerV2(BaseSpecWorker):
                                              dtype=self.model_runner.model_config.dtype)
 
     def init_cuda_graphs(self):
-        """Capture draft + tree + layout at every batch-size bucket (and both MFD_D paths). Only the
-        paged context (mode attention in Triton) has fixed shapes; sliding-window drafters run eagerly."""
+        """Under the automatic budget, the target's tree-verify graphs at every candidate budget's
+        window (SGLang captured the launch budget's). Capture draft + tree + layout at every batch-size
+        bucket (and both MFD_D paths). Only the paged context (mode attention in Triton) has fixed
+        shapes; sliding-window drafters draft eagerly."""
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 
-        if (self.mode_attention_backend != "triton" or self.server_args.disable_cuda_graph
-                or check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)):
+        if self.server_args.disable_cuda_graph or check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED):
+            return
+        if self.budget_chooser is not None and isinstance(self.model_runner.decode_cuda_graph_runner,
+                                                          MFDVerifyCudaGraphRunner):
+            self.verify_graphs = VerifyGraphsByWidth(self.model_runner,
+                                                     [budget + 1 for budget in self.budget_chooser.budgets])
+        if self.mode_attention_backend != "triton":
             return
         max_bs = int(self.server_args.max_running_requests or 48)
 
@@ -480,6 +489,8 @@ class MFDWorkerV2(BaseSpecWorker):
         )
         verify_batch = copy.copy(batch)
         verify_batch.spec_info = verify_input
+        if self.verify_graphs is not None:  # the graphs (and backend) of this round's window
+            self.verify_graphs.activate(num_nodes)
         # The target's decode graphs are captured as tree verifies (patches/verify_graph.py).
         forward_batch, _ = eagle_prepare_for_verify(verify_input, self.model_runner.req_to_token_pool,
                                                     verify_batch, self.target_worker)
