@@ -23,6 +23,9 @@ Sections, in this order (the most important results first; each reports what it 
             V {32768,65536,151936} (paper's engine ~0.35 ms; target <= 0.10 ms at bs=1, B=64, V=65536)
   attention_time  ms per drafter attention call, Triton vs the generic path: K=8, block 16, context 4K,
             32 query / 8 kv heads of 128 (Qwen3-4B-shaped drafter), bs {1,4,16} (target >= 1.5x)
+  hybrid_servers  a hybrid Gated DeltaNet target (make-tiny --hybrid, fp32) in plain, MFD (B = 8) and
+            MFD_D automatic-budget servers, CUDA graphs + overlap on, concurrent then from the radix
+            cache: every token equal to the plain server's (benchmarks/server_exactness.py)
 The exit status is 0 only when every correctness item passed: a mismatch, an error (a section that
 raised, a row with an error) or a skip (a section or row this machine cannot run) makes it 1, and the
 table ends with the list of what failed. `--allow-skip` lets skips pass (for a local or CPU run).
@@ -51,7 +54,7 @@ from mfd_sglang.mode_attention import mode_attention, random_inputs
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 # benchmarks/ is on sys.path when this runs as a script
 from round_cost import print_round_cost, round_cost_section
-from server_exactness import print_server_rows, server_section
+from server_exactness import hybrid_server_section, print_server_rows, server_section
 from tree_build import mean_ms, time_build
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -279,10 +282,21 @@ def check_servers(device: str, quick: bool) -> list[dict]:
     return server_section(device, quick)
 
 
+def check_hybrid_servers(device: str, quick: bool) -> list[dict]:
+    """The hybrid target's servers (benchmarks/server_exactness.py: hybrid_server_section), last: on the
+    first GPU run nothing before it waits for it. The CPU smoke run skips it (tests/test_hybrid_target.py
+    runs these servers on CPU); `--only hybrid_servers --device cpu` runs it on a CPU."""
+    if quick and device == "cpu":
+        raise SectionSkipped("CPU smoke run: tests/test_hybrid_target.py holds hybrid servers on CPU")
+    if importlib.util.find_spec("sglang") is None:
+        raise SectionSkipped("sglang is not installed here; on the device, carry .device-kit")
+    return hybrid_server_section(device, quick)
+
+
 # Per section: the row field that must be true. Rows of every section fail on an `error` field and
 # count as skipped on a `skipped` field.
 CORRECTNESS = {"tree": "identical", "attention": "ok", "sync": "sync_free", "tree_mask": "ok", "servers": "ok",
-               "round_cost": "graph_equals_eager", "vocab": "ok"}
+               "round_cost": "graph_equals_eager", "vocab": "ok", "hybrid_servers": "ok"}
 
 
 def failures(report: dict, sections: list[str], allow_skip: bool) -> list[str]:
@@ -357,6 +371,8 @@ def print_table(report: dict) -> None:
         print_tree_mask_rows(report["tree_mask"])
     if report.get("servers"):
         print_server_rows(report["servers"])
+    if report.get("hybrid_servers"):
+        print_server_rows(report["hybrid_servers"], "hybrid target (make-tiny --hybrid)")
     for section in SECTIONS:
         for suffix in ("skipped", "error"):
             if f"{section}_{suffix}" in report:
@@ -417,7 +433,8 @@ def main() -> None:
 SECTIONS = {"tree": check_tree_kernel, "vocab": check_vocab_kernel, "attention": check_mode_attention,
             "sync": check_accept_without_sync, "tree_mask": check_tree_masks,
             "servers": check_servers, "round_cost": round_cost_section, "tree_time": time_tree_build,
-            "attention_time": time_mode_attention, "vocab_time": time_vocab_kernel}
+            "attention_time": time_mode_attention, "vocab_time": time_vocab_kernel,
+            "hybrid_servers": check_hybrid_servers}
 
 if __name__ == "__main__":
     main()

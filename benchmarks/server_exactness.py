@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import tempfile
@@ -118,12 +119,13 @@ def standin_env() -> dict:
 
 def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, prompts: list[list[int]], *,
                        device: str, config: ServerConfig, budget: int, max_new_tokens: int, logdir: Path,
-                       mem_fraction: float, startup_timeout: float, name: str = "", env: dict | None = None) -> dict:
-    """Start one server, send every prompt at once, stop it; token ids and acceptance per prompt,
-    or the error that stopped it."""
+                       mem_fraction: float, startup_timeout: float, name: str = "", env: dict | None = None,
+                       extra_args: tuple[str, ...] = (), then_one_by_one: bool = False) -> dict:
+    """Start one server, send every prompt at once (`then_one_by_one`: then each again alone, from the
+    radix cache), stop it; token ids and acceptance per prompt, or the error that stopped it."""
     port = free_port()
     extra = ["--skip-tokenizer-init", "--max-running-requests", str(len(prompts)),
-             "--mem-fraction-static", str(mem_fraction)]
+             "--mem-fraction-static", str(mem_fraction), *extra_args]
     if device != "cpu":
         extra += ["--max-total-tokens", "32768"]  # several servers share the GPU: bound each KV pool
         if not config.cuda_graphs:
@@ -142,6 +144,8 @@ def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, promp
             ready = time.perf_counter() - start
             with ThreadPoolExecutor(len(prompts)) as pool:
                 outs = list(pool.map(lambda p: generate_ids(server, p, max_new_tokens), prompts))
+            if then_one_by_one:
+                outs += [generate_ids(server, p, max_new_tokens) for p in prompts]
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     # The automatic budget's per-window verify graphs, as the worker logged them at start-up.
@@ -165,8 +169,8 @@ def compare(name: str, config: ServerConfig, spec: dict, plain: dict, budget: in
     exact = ids == ref
     graphs_ok = True
     if name == AUTO_SERVER[0] and config.cuda_graphs:  # a verify graph for every budget it may play
-        row["verify_graph_widths"] = spec["verify_graph_widths"]
-        graphs_ok = spec["verify_graph_widths"] == [b + 1 for b in candidate_budgets(budget)]
+        row["verify_graph_widths"] = spec.get("verify_graph_widths")
+        graphs_ok = row["verify_graph_widths"] == [b + 1 for b in candidate_budgets(budget)]
     row.update(exact=exact, complete=complete, ok=complete and graphs_ok and (exact or not row["exact_required"]),
                first_divergence=[next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                  for x, y in zip(ids, ref)],
@@ -203,8 +207,45 @@ def server_section(device: str, quick: bool) -> list[dict]:
                 for config in configs for name, _, _ in servers(device)[1:]]
 
 
-def print_server_rows(rows: list[dict]) -> None:
-    print("\nSGLang servers vs the same server without speculation (greedy token ids)")
+# (row name, algorithm, extra environment, tree budget) of the hybrid target's servers
+HYBRID_SERVERS = [("plain", None, {}, 8), ("MFD", "MFD", {}, 8), ("MFD_D auto", "MFD_D", {"MFD_SGLANG_AUTO_BUDGET": "1"}, 16)]
+
+
+def hybrid_server_section(device: str, quick: bool) -> list[dict]:
+    """A hybrid Gated DeltaNet target (`make-tiny --hybrid`: Qwen3.5-shaped, two GDN layers and one
+    full-attention layer, trained on the tiny language, with its MFD drafter; fp32) in a plain, an MFD
+    (B = 8) and an MFD_D automatic-budget server, on a GPU with CUDA graphs and overlap on: 7 prompts at
+    once over 8-token prefill chunks, then each again alone (radix-cache hits: a cached prefix's
+    recurrent state). A row is `ok` when every token equals the plain server's. On a CPU
+    tests/test_hybrid_target.py holds the same servers to HF's greedy decoding."""
+    from mfd_sglang.lab.tiny import make_tiny
+
+    config = (ServerConfig("float32", False, None, "CPU launcher default (mfd_cpu)") if device == "cpu"
+              else ServerConfig("float32", True, *attention_choice("float32")))
+    max_new_tokens, parallel = 24, 1 if device == "cpu" else len(HYBRID_SERVERS)
+    with tempfile.TemporaryDirectory(prefix="mfd-hybrid-exactness-") as tmp:
+        tmp = Path(tmp)
+        pair = make_tiny(tmp / "pair", seed=0, num_modes=4, hybrid=True, log=lambda *a: None)
+        vocab = json.loads((pair / "target" / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(12, vocab, (n,), generator=gen).tolist() for n in (3, 9, 14, 21, 33, 40)]
+        prompts.append(prompts[4][:20] + prompts[1])  # shares a 20-token prefix with another
+        # Bounded pools: on a GPU the three servers start together.
+        extra = ("--chunked-prefill-size", "8", "--context-length", "512", "--max-mamba-cache-size", "64")
+        with ThreadPoolExecutor(parallel) as pool:
+            results = list(pool.map(lambda server: serve_and_generate(
+                pair / "target", pair / "drafter", server[1], prompts, device=device, config=config,
+                budget=server[3], max_new_tokens=max_new_tokens, logdir=tmp, mem_fraction=0.6 if device == "cpu" else 0.2,
+                startup_timeout=600, name=f"hybrid {server[0]}", env=server[2], extra_args=extra,
+                then_one_by_one=True), HYBRID_SERVERS))
+        plain = results[0]
+        return [{**compare(server[0], config, result, plain, server[3], prompts, max_new_tokens),
+                 "target": "make-tiny --hybrid (Qwen3.5-shaped)", "then_one_by_one": True}
+                for server, result in zip(HYBRID_SERVERS[1:], results[1:])]
+
+
+def print_server_rows(rows: list[dict], target: str = "random Qwen3-4B-width target") -> None:
+    print(f"\nSGLang servers vs the same server without speculation (greedy token ids), {target}")
     for r in rows:
         mode = "graphs+overlap" if r["cuda_graphs"] else "eager"
         head = f"  {r['server']:>6} {r['dtype']:>8} {mode:>14} page {r.get('page_size', 1):>2} {r['attention']} B={r['B']}:"
@@ -212,7 +253,8 @@ def print_server_rows(rows: list[dict]) -> None:
             print(f"{head} ERROR {r['error'].strip().splitlines()[0]}")
             continue
         verdict = "EXACT" if r["exact"] else ("DIFFERS" if r["exact_required"] else "differs (bf16, not required)")
-        print(f"{head} {verdict}{'' if r['complete'] else ' INCOMPLETE'} ({r['prompts']} concurrent prompts x "
+        print(f"{head} {verdict}{'' if r['complete'] else ' INCOMPLETE'} ({r['prompts']} concurrent prompts"
+              f"{', then each alone' if r.get('then_one_by_one') else ''} x "
               f"{r['max_new_tokens']} tokens; first divergence {r['first_divergence']}; "
               f"accept length {r['accept_length']})")
     notes = sorted({f"{r['dtype']}: {r['attention']} ({r['attention_note']})" for r in rows})

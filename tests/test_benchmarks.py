@@ -38,8 +38,9 @@ def test_gpu_check_script_runs_and_records_json(tmp_path):
     # the order of the one device call: kernel exactness, the server part, then costs and timings
     ran = [k.removesuffix("_seconds") for k in report if k.endswith("_seconds")]
     assert ran == ["tree", "vocab", "attention", "sync", "tree_mask", "servers", "round_cost", "tree_time",
-                   "attention_time", "vocab_time"]
-    assert [k for k in report if k.endswith("_skipped")] == ["attention_time_skipped", "vocab_time_skipped"], report
+                   "attention_time", "vocab_time", "hybrid_servers"]
+    assert [k for k in report if k.endswith("_skipped")] == ["attention_time_skipped", "vocab_time_skipped",
+                                                           "hybrid_servers_skipped"], report
     assert report["vocab"] and all(row["ok"] and row["shared"] == 1.0 for row in report["vocab"]), report["vocab"]
     # The host-sync cases run on CPU but can only be checked on CUDA: skipped rows, not passes.
     assert report["sync"] and all("skipped" in row and "error" not in row for row in report["sync"]), report["sync"]
@@ -132,6 +133,22 @@ def test_server_rows_require_exactness_in_fp32_and_completion_always():
     assert not row(bf16, short)["ok"]  # but every request must complete
     failed = row(bf16, plain, {"error": "RuntimeError: server exited"})
     assert not failed["ok"] and "plain: RuntimeError: server exited" in failed["error"]
+
+
+def test_the_automatic_budget_row_requires_a_verify_graph_for_every_budget():
+    """With CUDA graphs on, the automatic-budget server's row passes only when its start-up log listed a
+    tree-verify graph for every candidate budget's window (B = 16: 0, 4, 8, 16 -> 1, 5, 9, 17 tokens)."""
+    from server_exactness import AUTO_SERVER, ServerConfig, compare
+
+    plain = {"ids": [[1, 2, 3]], "startup_s": 1.0, "accept_length": [None]}
+    graphs, eager = ServerConfig("float32", True, "triton", "why"), ServerConfig("float32", False, "triton", "why")
+
+    def row(widths, config=graphs):
+        return compare(AUTO_SERVER[0], config, {**plain, "verify_graph_widths": widths}, plain, 16, [[0]], 3)
+
+    assert row([1, 5, 9, 17])["ok"] and row([1, 5, 9, 17])["verify_graph_widths"] == [1, 5, 9, 17]
+    assert not row([17])["ok"] and not row(None)["ok"]
+    assert row(None, eager)["ok"]  # no graphs to require
 
 
 @pytest.mark.parametrize("dtype,want", [("float32", "triton"), ("bfloat16", None)])

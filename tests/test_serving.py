@@ -292,6 +292,7 @@ def test_verify_graphs_are_captured_with_the_tree_mask(backend):
 # Publishes a real SGLang config (ServerArgs of an MFD server at 9 draft tokens), as a scheduler does.
 VERIFY_WIDTHS = """
 import json, sys
+import torch
 from types import SimpleNamespace
 from sglang.srt.runtime_context import get_spec, publish
 from sglang.srt.server_args import ServerArgs
@@ -339,6 +340,14 @@ try:
     capture(runner, 3)
 except RuntimeError as exc:
     out["failed"] = [str(exc), get_spec().speculative_num_draft_tokens, runner.init_new_workspace]
+
+def out_of_memory(model_runner, width):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+try:
+    VerifyGraphsByWidth(runner, [1, 9], capture=out_of_memory)
+except RuntimeError as exc:
+    out["oom"] = str(exc)
 print("WIDTHS " + json.dumps(out))
 """
 
@@ -347,7 +356,8 @@ def test_verify_graphs_by_width_capture_each_width_and_activate_it(tiny_pair):
     """Under the automatic budget the target gets one tree-verify graph runner per window width: each
     built over a new attention backend while SGLang's resolved speculative_num_draft_tokens reads that
     width (backends size their graph state from it), the launch value restored afterwards (also when a
-    capture fails); `activate(width)` puts that width's backend and runner on the model runner. The
+    capture fails); `activate(width)` puts that width's backend and runner on the model runner; running
+    out of device memory while capturing is an error that names the window and what to lower. The
     config is SGLang's real published one; backend and runner are recording stand-ins (capture needs a
     GPU: the GPU check's automatic-budget server row holds the real graphs to plain decoding)."""
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",)}
@@ -362,6 +372,8 @@ def test_verify_graphs_by_width_capture_each_width_and_activate_it(tiny_pair):
     assert out["active_5"] == [5, 5] and out["active_1"] == [1, 1]
     assert out["active_9"] == ["launch backend", "launch graphs"]
     assert out["failed"] == ["capture failed", 9, False]
+    assert out["oom"].startswith("MFD automatic budget: out of device memory capturing the tree-verify graphs of "
+                                 "a 1-token window") and "MFD_SGLANG_AUTO_BUDGET unset" in out["oom"]
 
 
 def _draft_graph_worker(tiny_pair, device: str):

@@ -103,7 +103,14 @@ class VerifyGraphsByWidth:
         self.states = {self.active: (model_runner.attn_backend, model_runner.decode_cuda_graph_runner)}
         free_before = device_free_bytes()
         for width in sorted(set(widths) - {self.active}):
-            self.states[width] = capture(model_runner, width)
+            try:
+                self.states[width] = capture(model_runner, width)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise RuntimeError(
+                    f"MFD automatic budget: out of device memory capturing the tree-verify graphs of a "
+                    f"{width}-token window (after windows {sorted(self.states)}); lower "
+                    "--mem-fraction-static or --cuda-graph-max-bs, or serve a fixed budget "
+                    "(MFD_SGLANG_AUTO_BUDGET unset)") from exc
         # Not in MFD's launch-time memory plan yet (a backend's graph state depends on its kind): logged.
         logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request (the "
                     "extra widths took %.0f MiB of device memory)", sorted(self.states),
