@@ -16,7 +16,7 @@ import torch
 
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.drafter import MFDDrafter
-from mfd_sglang.serving.draft_context_pool import DraftContextPool
+from mfd_sglang.serving.draft_context_pool import DeferredContextWrites, DraftContextPool
 from mfd_sglang.serving.options import budget_from_num_draft_tokens, default_num_draft_tokens, read_options
 from mfd_sglang.patches.request_checks import unsupported_request_features
 
@@ -140,6 +140,51 @@ def test_context_pool_gathers_what_the_drafter_computes(tiny_pair):
         for layer in range(len(pool.keys)):
             torch.testing.assert_close(context.keys[layer][b, :, :n], want.keys[layer][0])
             torch.testing.assert_close(context.values[layer][b, :, :n], want.values[layer][0])
+
+
+@torch.no_grad()
+def test_deferred_context_writes_land_as_direct_writes_would(tiny_pair):
+    """Plain-decoding rounds' context held by DeferredContextWrites ends up in the pool as the same
+    writes made at once. Nothing reaches the pool before a flush; a change of requests writes what is
+    held first (request "b" leaves, its slot 4 goes to a new request "c": b's row lands before c's);
+    a full buffer is written before it takes more; a round larger than the buffer is written at once."""
+    torch.manual_seed(0)
+    drafter = MFDDrafter.from_checkpoint(load_drafter(tiny_pair / "drafter"), dtype=torch.float32)
+    features = drafter.fc.in_features
+    direct, pool = (DraftContextPool(drafter, 32, device="cpu", dtype=torch.float32) for _ in range(2))
+    deferred = DeferredContextWrites(pool, drafter, capacity=6, device="cpu", dtype=torch.float32)
+
+    def snapshot(p):
+        return [t.clone() for t in p.keys + p.values]
+
+    def same(a, b):  # one projection of many rows may round differently from several of few rows
+        return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+
+    # (requests, slots, positions) of each round, and whether the pool must equal the direct writes
+    # made before this round once the round's rows are handed over (what was held got written).
+    rounds = [(("a", "b"), [1, 2], [7, 3], False), (("a", "b"), [3, 4], [8, 4], False),
+              (("a", "c"), [5, 4], [9, 0], True),  # b left: its rows are written before c's
+              (("a", "c"), [6, 7], [10, 1], False), (("a", "c"), [8, 9], [11, 2], False),
+              (("a", "c"), [10, 11], [12, 3], True),  # 6 held + 2 > capacity 6: the 6 written first
+              (("a", "c", "d", "e", "f", "g", "h"), [12, 13, 14, 15, 16, 17, 18], [13, 4, 0, 0, 0, 0, 0], True)]
+    empty = snapshot(pool)
+    for requests, slots, positions, written_before in rounds:
+        before = snapshot(direct)
+        hidden = torch.randn(len(slots), features)
+        slots, positions = torch.tensor(slots), torch.tensor(positions)
+        direct.write(drafter, hidden, positions, slots)
+        deferred.hold_for(requests)
+        deferred.write(drafter, hidden, positions, slots)
+        if len(slots) > deferred.capacity:
+            assert same(snapshot(pool), snapshot(direct))  # too many to hold: written at once
+        elif written_before:
+            assert same(snapshot(pool), before) and not same(before, empty)
+        else:
+            assert not same(snapshot(pool), snapshot(direct))  # held
+    deferred.write(drafter, torch.randn(1, features), torch.tensor([5]), torch.tensor([19]))
+    direct.write(drafter, deferred.hidden[:1].clone(), torch.tensor([5]), torch.tensor([19]))
+    deferred.flush()
+    assert deferred.count == 0 and same(snapshot(pool), snapshot(direct))
 
 
 @pytest.mark.parametrize("device, given, expected", [

@@ -19,7 +19,7 @@ from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree_layout import with_root
 from mfd_sglang.verify import TreeVerifyResult
 
-from .draft_context_pool import DraftContextPool
+from .draft_context_pool import DeferredContextWrites, DraftContextPool
 
 
 def committed_window_path(result: TreeVerifyResult, width: int) -> torch.Tensor:
@@ -30,15 +30,16 @@ def committed_window_path(result: TreeVerifyResult, width: int) -> torch.Tensor:
 
 
 def commit_round(result: TreeVerifyResult, window_hidden: torch.Tensor, seq_lens: torch.Tensor,
-                 window_slots: torch.Tensor, context_pool: DraftContextPool, drafter: MFDDrafter,
-                 commit_target: Callable[[torch.Tensor], None]) -> None:
+                 window_slots: torch.Tensor, context_pool: DraftContextPool | DeferredContextWrites,
+                 drafter: MFDDrafter, commit_target: Callable[[torch.Tensor], None]) -> None:
     """Commit one round of bs requests with verify windows of N tokens (root first).
 
     window_hidden [bs, N, F]: the target's drafter features of every window token; seq_lens [bs]:
     committed tokens before the round (the root sits at position seq_lens); window_slots [bs, N]: the
     KV slots the verify wrote; commit_target(path): commits the target's side of the window indices
     path [bs, W] (-1: none): their K/V to the window's first W slots and, for a hybrid target, the
-    recurrent state after the last of them. Fixed shapes, no host sync.
+    recurrent state after the last of them; context_pool takes the drafter context (written, or held
+    for a later batched write). Fixed shapes, no host sync.
     """
     width = min(drafter.cfg.block_size, window_slots.shape[1])  # root + the longest possible path
     path = committed_window_path(result, width)

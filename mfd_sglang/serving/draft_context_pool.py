@@ -61,6 +61,55 @@ class DraftContextPool:
         return PagedDraftContext(self, req_to_token, req_pool_indices, lengths, backend)
 
 
+class DeferredContextWrites:
+    """The drafter context of plain-decoding rounds (budget 0 under the automatic budget), written
+    later in one batch: nothing reads a token's context until a round drafts again, and one projection
+    of many rows costs about what one of a few rows does (the fc weight is read once), so a run of
+    plain rounds does not pay for a drafter it does not use.
+
+    `hold_for(requests)` before a round's writes: rows held for another set of requests are written
+    first, because a request that left (finished, aborted, retracted) may have freed slots the
+    scheduler hands out again. `flush()` writes what is held, in order; the worker calls it before
+    anything else writes to the pool (a prefill) or reads it (a drafting round). While the set of
+    requests is unchanged their held slots stay theirs, so the rows' later write lands where a direct
+    one would have. Holds at most `capacity` rows (target features [capacity, F] in the serving dtype);
+    a round with more is written at once."""
+
+    def __init__(self, pool: DraftContextPool, drafter: MFDDrafter, capacity: int, *, device, dtype: torch.dtype):
+        self.pool, self.drafter, self.capacity = pool, drafter, capacity
+        self.hidden = torch.empty(capacity, drafter.fc.in_features, device=device, dtype=dtype)
+        self.positions = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.slots = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.count = 0
+        self.requests: tuple | None = None
+
+    def hold_for(self, requests: tuple) -> None:
+        if requests != self.requests:
+            self.flush()
+            self.requests = requests
+
+    def write(self, drafter: MFDDrafter, target_hidden: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """`DraftContextPool.write`, held: the rows are copied here (the target's output buffer is
+        reused by its next forward) and written at the next flush."""
+        rows = target_hidden.shape[0]
+        if self.count + rows > self.capacity:
+            self.flush()
+        if rows > self.capacity:
+            self.pool.write(drafter, target_hidden, positions, slots)
+            return
+        end = self.count + rows
+        self.hidden[self.count:end] = target_hidden
+        self.positions[self.count:end] = positions
+        self.slots[self.count:end] = slots
+        self.count = end
+
+    def flush(self) -> None:
+        if self.count:
+            n, self.count = self.count, 0
+            self.pool.write(self.drafter, self.hidden[:n], self.positions[:n], self.slots[:n])
+
+
 @dataclass
 class PagedDraftContext:
     pool: DraftContextPool

@@ -60,7 +60,7 @@ from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_
 from .algorithms import check_tree_verify_attention
 from .budget import Arm, BudgetChooser, RoundClock
 from .commit import commit_round, committed_window_path
-from .draft_context_pool import DraftContextPool
+from .draft_context_pool import DeferredContextWrites, DraftContextPool
 from .memory import memory_plan
 from .options import budget_from_num_draft_tokens, read_options
 from .penalties import (OutputPenalties, adjust_tree_logits, count_resumed_output, cumulate, output_penalties,
@@ -70,6 +70,9 @@ from .target_checks import check_target_runner
 from .verify_graph import MFDVerifyCudaGraphRunner, VerifyGraphsByWidth
 
 logger = logging.getLogger(__name__)
+
+# Plain-decoding rows whose drafter context waits for one batched write (`DeferredContextWrites`).
+DEFERRED_CONTEXT_ROWS = 256
 
 
 def reserved_lens(batch) -> torch.Tensor:
@@ -202,6 +205,7 @@ class MFDWorkerV2(BaseSpecWorker):
                                        tp_size=self.tp_group.world_size, tied_embeddings=tied)
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         self.context_pool: DraftContextPool | None = None
+        self.deferred_context: DeferredContextWrites | None = None  # plain-decoding rounds' context (automatic budget)
         self.draft_graphs: BatchGraphs | None = None
         self.verify_graphs: VerifyGraphsByWidth | None = None  # per-budget verify graphs (automatic budget)
         cfg = self.drafter.cfg
@@ -233,6 +237,9 @@ class MFDWorkerV2(BaseSpecWorker):
         num_slots = kv_pool.size + kv_pool.page_size
         self.context_pool = DraftContextPool(self.drafter, num_slots, device=self.device,
                                              dtype=self.model_runner.model_config.dtype)
+        if self.budget_chooser is not None:
+            self.deferred_context = DeferredContextWrites(self.context_pool, self.drafter, DEFERRED_CONTEXT_ROWS,
+                                                          device=self.device, dtype=self.model_runner.model_config.dtype)
 
     def init_cuda_graphs(self):
         """Under the automatic budget, the target's tree-verify graphs at every candidate budget's
@@ -280,6 +287,8 @@ class MFDWorkerV2(BaseSpecWorker):
     def forward_prefill(self, batch, on_publish):
         # is_verify: SGLang's sampler is skipped; MFD samples the first token itself (sample_first),
         # so one law and one seeded stream cover every token of a request.
+        if self.deferred_context is not None:  # held rows before this prefill's writes (slots may be reused)
+            self.deferred_context.flush()
         result = self.target_worker.forward_batch_generation(batch, is_verify=True,
                                                              capture_hidden_mode=CaptureHiddenMode.FULL)
         result.new_seq_lens = batch.seq_lens
@@ -426,6 +435,8 @@ class MFDWorkerV2(BaseSpecWorker):
         single_mode, budget = arm
         if budget == 0:
             return self.layout(empty_tree(roots.shape[0], roots.device), roots, seq_lens)
+        if self.deferred_context is not None:  # the drafter reads every committed token's context
+            self.deferred_context.flush()
         if self.draft_graphs is not None and seq_lens.shape[0] <= self.draft_graphs.max_bs:
             return self.draft_graphs(roots, seq_lens, batch.req_pool_indices, key=arm)
         if self.mode_attention_backend is not None:
@@ -547,5 +558,9 @@ class MFDWorkerV2(BaseSpecWorker):
             if num_nodes > 1:  # a plain-decoding round's K/V is already where it belongs
                 move_accept_tokens_to_target_kvcache(verify_batch, accept_index, result.accept_lens - 1, allocator)
 
+        context = self.context_pool
+        if num_nodes == 1 and self.deferred_context is not None:  # plain decoding: the context can wait
+            self.deferred_context.hold_for(tuple(req.rid for req in verify_batch.reqs))
+            context = self.deferred_context
         commit_round(result, target_hidden.view(bs, num_nodes, -1), seq_lens,
-                     verify_batch.out_cache_loc.view(bs, num_nodes), self.context_pool, self.drafter, commit_target)
+                     verify_batch.out_cache_loc.view(bs, num_nodes), context, self.drafter, commit_target)
