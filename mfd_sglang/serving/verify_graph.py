@@ -22,9 +22,9 @@ states the same way (`EAGLEWorkerV2.build_adaptive_runtime_state` / `apply_runti
 
 from __future__ import annotations
 
-import torch
-
 import logging
+
+import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
