@@ -50,8 +50,8 @@ def test_gpu_check_script_runs_and_records_json(tmp_path):
     assert report["round_cost"] and all(row["round_cost"] > 0 for row in report["round_cost"]), report
     assert {row["config"] for row in report["round_cost"]} == {"mfd", "mfd_d", "ddtree"}
     assert all(row["graph_equals_eager"] for row in report["round_cost"])
-    # Real CPU servers on a random target: MFD and MFD_D emit the plain server's tokens.
-    assert [row["server"] for row in report["servers"]] == ["MFD", "MFD_D"], report.get("servers_error")
+    # Real CPU servers on a random target: MFD_D emits the plain server's tokens.
+    assert [row["server"] for row in report["servers"]] == ["MFD_D"], report.get("servers_error")
     assert all(row["exact"] and row["ok"] and row["complete"] for row in report["servers"]), report["servers"]
     assert str(out) in proc.stdout
     # On CPU the tree-mask rows are the CPU backends, eager; all must pass.
@@ -169,7 +169,8 @@ def test_server_section_names_its_attention_backend(dtype, want):
 def test_server_section_adds_the_automatic_budget_on_a_gpu():
     from server_exactness import servers
 
-    assert [name for name, _, _ in servers("cpu")] == ["plain", "MFD", "MFD_D"]
+    assert [name for name, _, _ in servers("cpu")] == ["plain", "MFD_D"]
+    assert [name for name, _, _ in servers("cuda")] == ["plain", "MFD", "MFD_D", "MFD_D auto"]
     assert servers("cuda")[-1] == ("MFD_D auto", "MFD_D", {"MFD_SGLANG_AUTO_BUDGET": "1"})
 
 

@@ -56,7 +56,7 @@ SHAPES = [
 ]
 
 
-def case_shapes(device="cpu", dtypes=(torch.float32, torch.float16), sync_check=False):
+def case_shapes(device="cpu", dtypes=(torch.float32,), sync_check=False):  # other dtypes: wide, ties, CUDA
     for seed, shape in enumerate(SHAPES):
         *dims, budget = shape
         for dtype in dtypes:
