@@ -78,11 +78,13 @@ def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chu
     vocab = weight.shape[0]
     count = min(count, vocab)
     lead = hidden.shape[:-1]
+    # One [rows, H] matrix: a strided [..., H] view would make matmul copy each weight chunk per batch row.
+    rows = hidden.reshape(-1, hidden.shape[-1])
     best = torch.empty(*lead, 0, dtype=torch.int64, device=hidden.device)
     row_max = torch.full(lead, float("-inf"), device=hidden.device)
     row_sum = torch.zeros(lead, device=hidden.device)
     for start in range(0, vocab, chunk_size):
-        logits = (hidden @ weight[start : start + chunk_size].T).float()
+        logits = (rows @ weight[start : start + chunk_size].T).float().view(*lead, -1)
         new_max = torch.maximum(row_max, logits.amax(-1))
         row_sum = row_sum * torch.exp(row_max - new_max) + torch.exp(logits - new_max[..., None]).sum(-1)
         row_max = new_max
