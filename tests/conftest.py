@@ -42,6 +42,22 @@ def hf_target(tiny_pair):
 
 
 @pytest.fixture(scope="session")
+def plain_server(tiny_pair, tmp_path_factory):
+    """A plain SGLang CPU server on the tiny pair (fp32, 8 running requests), shared by the modules that
+    hold MFD's servers to it (one start less in CI). Without overlap scheduling: with it, SGLang 0.5.23's
+    plain server counts a request's output for penalties one token late (its first decode step counts
+    the last prompt token instead of the first output token: `ScheduleBatch.cumulate_penalty_output_tokens`
+    reads req.output_ids before the previous step's result is in). MFD counts every output token when it
+    is output. Sampling is the same law either way (the sampler runs on the step's own logits)."""
+    from test_mfd_server import start_server
+
+    srv = start_server(tmp_path_factory, tiny_pair, None, None, None, max_running=8,
+                       extra_args=("--disable-overlap-schedule",))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_prompts(tiny_pair) -> list[str]:
     return json.loads((tiny_pair / "prompts.json").read_text())
 

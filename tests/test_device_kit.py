@@ -5,8 +5,9 @@ registry) run a real SGLang 0.5.23 server with this plugin, in at most 38 MiB ne
 (64 MiB per device call). The rehearsal proves that before any GPU minute is spent: a second
 environment with the image's versions (torch 2.11.0, triton 3.6.0, transformers 5.17.0 and only those
 of the image's other packages that SGLang imports; see device_kit.sh for the one version that differs)
-plus ONLY the kit runs `mfd_sglang.cpu.launch_server` plain and with MFD on the tiny pair, and
-the token ids are identical (and equal the target's own greedy decoding).
+plus ONLY the kit runs `mfd_sglang.cpu.launch_server` with MFD on the tiny pair, and its token ids
+equal the target's own greedy decoding (on this machine's torch; a plain server is not started: MFD's
+server runs all of SGLang a plain one does, and CI time is short).
 
 Building the kit downloads ~52 MB of wheels, the rehearsal environment a few GB (torch 2.11.0 is PyPI's
 CUDA build, which needs its nvidia libraries to load even on a CPU); both are cached (.device-kit/ and
@@ -166,8 +167,8 @@ def test_rehearsal_sglang_cuda_modules_import_against_the_standin(rehearsal):
 
 @pytest.fixture(scope="module")
 def rehearsal_ids(rehearsal, tiny_pair, tmp_path_factory) -> dict:
-    """Token ids of plain and MFD (B = 8) servers on the tiny pair, fp32, four requests at once, one server
-    at a time (2 cores). MFD_D runs the same worker code (its path choice is held by tests/test_mfd_server.py)."""
+    """Token ids of an MFD (B = 8) server on the tiny pair, fp32, four requests at once. MFD_D runs the same
+    worker code (its path choice is held by tests/test_mfd_server.py)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair / "target")
@@ -175,32 +176,29 @@ def rehearsal_ids(rehearsal, tiny_pair, tmp_path_factory) -> dict:
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     logdir = tmp_path_factory.mktemp("rehearsal-logs")
     out = {"prompts": prompt_ids}
-    for name, algorithm in (("plain", None), ("MFD", "MFD")):
-        port = free_port()
-        cmd = [str(rehearsal["python"]), "-m", "mfd_sglang.cpu.launch_server", "--model-path", str(tiny_pair / "target"),
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096",
-               "--context-length", "1024", "--max-running-requests", "4", "--skip-tokenizer-init"]
-        if algorithm:
-            cmd += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(tiny_pair / "drafter"),
-                    "--speculative-num-draft-tokens", "9"]
-        # cwd outside the repository: `python -m` puts the cwd first on sys.path, and the plugin must come
-        # from the kit's site, laid out as on the device
-        with ServerProcess(cmd, logdir / f"{name}.log", port=port, env=clean_env(rehearsal["site"]),
-                           cwd=logdir, startup_timeout=900) as server:
-            with concurrent.futures.ThreadPoolExecutor(len(prompt_ids)) as pool:
-                results = list(pool.map(lambda ids: generate_ids(server, ids, MAX_NEW), prompt_ids))
-            out[name] = [ids for ids, _ in results]
-            out[name + "_accept"] = [meta.get("spec_accept_length") for _, meta in results]
+    port = free_port()
+    cmd = [str(rehearsal["python"]), "-m", "mfd_sglang.cpu.launch_server", "--model-path", str(tiny_pair / "target"),
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096",
+           "--context-length", "1024", "--max-running-requests", "4", "--skip-tokenizer-init",
+           "--speculative-algorithm", "MFD", "--speculative-draft-model-path", str(tiny_pair / "drafter"),
+           "--speculative-num-draft-tokens", "9"]
+    # cwd outside the repository: `python -m` puts the cwd first on sys.path, and the plugin must come
+    # from the kit's site, laid out as on the device
+    with ServerProcess(cmd, logdir / "MFD.log", port=port, env=clean_env(rehearsal["site"]),
+                       cwd=logdir, startup_timeout=900) as server:
+        with concurrent.futures.ThreadPoolExecutor(len(prompt_ids)) as pool:
+            results = list(pool.map(lambda ids: generate_ids(server, ids, MAX_NEW), prompt_ids))
+    out["MFD"] = [ids for ids, _ in results]
+    out["MFD_accept"] = [meta.get("spec_accept_length") for _, meta in results]
     return out
 
 
-def test_rehearsal_servers_emit_identical_token_ids(rehearsal_ids, hf_target):
-    plain = rehearsal_ids["plain"]
-    assert [len(ids) for ids in plain] == [MAX_NEW] * 4
-    assert rehearsal_ids["MFD"] == plain
-    # and the plain server on torch 2.11 equals the target's greedy decoding on this machine's torch
+def test_rehearsal_server_emits_the_targets_greedy_token_ids(rehearsal_ids, hf_target):
+    mfd = rehearsal_ids["MFD"]
+    assert [len(ids) for ids in mfd] == [MAX_NEW] * 4
+    # the MFD server on torch 2.11 equals the target's greedy decoding on this machine's torch
     model, _ = hf_target
-    assert plain == [target_greedy(model, ids, MAX_NEW) for ids in rehearsal_ids["prompts"]]
+    assert mfd == [target_greedy(model, ids, MAX_NEW) for ids in rehearsal_ids["prompts"]]
     # the drafter really drafted: more than one token per verify round on average
     accept = [a for a in rehearsal_ids["MFD_accept"] if a is not None]
     assert accept and sum(accept) / len(accept) > 1.0, rehearsal_ids["MFD_accept"]

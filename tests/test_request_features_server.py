@@ -39,18 +39,6 @@ FEATURES = [
 
 
 @pytest.fixture(scope="module")
-def plain_server(tiny_pair, tmp_path_factory):
-    # Without overlap scheduling: with it, SGLang 0.5.23's plain server counts a request's output for
-    # penalties one token late (its first decode step counts the last prompt token instead of the
-    # first output token: `ScheduleBatch.cumulate_penalty_output_tokens` reads req.output_ids before
-    # the previous step's result is in). MFD counts every output token when it is output.
-    srv = start_server(tmp_path_factory, tiny_pair, None, None, None, max_running=8,
-                       extra_args=("--disable-overlap-schedule",))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def mfd_server(tiny_pair, tmp_path_factory):
     # MFD_D at its default switch threshold (3): a request alone drafts with all K modes, the batched
     # cases (4 to 7 requests in flight) with the single-mode path, so both drafting paths are covered.

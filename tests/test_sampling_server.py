@@ -38,13 +38,6 @@ def mfd_server(tiny_pair, tmp_path_factory):
     yield from served_without_leaks(srv)
 
 
-@pytest.fixture(scope="module")
-def plain_server(tiny_pair, tmp_path_factory):
-    srv = start_server(tmp_path_factory, tiny_pair, None, None, None, max_running=8)
-    yield srv
-    srv.stop()
-
-
 def request_law(settings: tuple) -> dict:
     temperature, top_k, top_p, min_p = settings
     return {"temperature": temperature, "top_k": -1 if top_k == TOP_K_ALL else top_k, "top_p": top_p,
