@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Stronger SmolLM2-135M-Instruct drafters (issue: method), resumable: run it again after any
 # interruption and every stage continues where it stopped (the data file skips done prompts, each
-# train stage resumes from OUT/train_state/; a finished stage returns at once).
+# train stage resumes from OUT/train_state/; a finished stage returns at once). The regenerated data is
+# committed (data/, ~1.5 MB of token ids) because it takes hours of CPU and a new machine starts
+# without runs/: commit it again after a session that added to it.
 #
 #   RUN_DIR=runs/smollm2-v2 bash scripts/train_smollm2_drafters.sh
 #
@@ -15,9 +17,10 @@ PY=${PYTHON:-.venv/bin/python}
 RUN=${RUN_DIR:-runs/smollm2-v2}
 BASE_STEPS=${BASE_STEPS:-3000}
 EXTRA_STEPS=${EXTRA_STEPS:-800}
+DATA=${DATA:-data/smollm2-135m-regenerated.jsonl}
 mkdir -p "$RUN"
 T=$($PY -m mfd_sglang prepare-target)
-COMMON=(--target "$T" --data "$RUN/data.jsonl" --batch-size 2 --anchors 32 --save-every 100 --dtype bfloat16 --resume)
+COMMON=(--target "$T" --data "$DATA" --batch-size 2 --anchors 32 --save-every 100 --dtype bfloat16 --resume)
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash0" --regenerate-sets code,chat,math \
     --max-new-tokens 256 --steps "$BASE_STEPS" --layers 2 --draft-vocab-size 4096
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash" --init-from "$RUN/dflash0" --num-modes 1 --steps "$EXTRA_STEPS"
