@@ -268,7 +268,8 @@ class MFDDrafter(nn.Module):
         block_positions [bs, T]; context: a padded DraftContext, or a paged context read in place
         (full attention only: drafters with sliding layers need the DraftContext). Returns the
         final-normed hidden states [bs, K', T-1, H] of the drafted positions (the first block slot
-        is dropped).
+        is dropped), contiguous: a strided view would make every `hidden @ head.T` of its consumers copy
+        the head per (request, mode) on CPU.
         """
         bs, t, h = block_embeds.shape
         modes = self.mode_vectors(single_mode).to(block_embeds.dtype)
@@ -284,7 +285,7 @@ class MFDDrafter(nn.Module):
         for layer, attend in zip(self.layers, attends):
             x = layer(x, positions, attend)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return x.view(bs, k, t, h)[:, :, 1:]
+        return x.view(bs, k, t, h)[:, :, 1:].contiguous()
 
     def _attention_mask(self, context: DraftContext, block_positions: torch.Tensor, k: int) -> list[torch.Tensor]:
         """Per-layer bool masks [bs, 1, K*T, Lc + K*T]: valid context + own mode's block (bidirectional).
