@@ -183,10 +183,12 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"note: --single has K = {drafters['single'].cfg.num_modes}; its default path is used as the single mode",
               file=sys.stderr)
     results = evaluate.evaluate(target, drafters["single"], drafters["mfd"], prompt_sets, args.budgets,
-                                args.max_new_tokens, eos, log=lambda *a: print(*a, file=sys.stderr))
+                                args.max_new_tokens, eos, log=lambda *a: print(*a, file=sys.stderr),
+                                temperature=args.temperature, seed=args.seed)
     print(evaluate.format_table(results, args.budgets))
     if args.out:
-        evaluate.write_json(results, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv), args.budgets)
+        evaluate.write_json(results, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv), args.budgets,
+                            args.temperature)
         print(f"wrote {args.out}")
     if args.plot:
         evaluate.plot(results, args.budgets, Path(args.plot))
@@ -366,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (prompts and provenance)")
     p.set_defaults(func=_prompts)
     p = sub.add_parser("eval", help="acceptance evaluation: chain vs DDTree vs MFD per budget (reference engine)",
-                       description="Greedy generation on held-out prompts with the DFlash chain and the DDTree "
+                       description="Generation (greedy, or sampled at --temperature) on held-out prompts with the DFlash chain and the DDTree "
                                    "tree of a single-mode drafter and the MFD tree of a K-mode drafter, at every "
                                    "budget: mean tau, speed-up over plain decoding (same run), chimera share of "
                                    "the single-mode tree, covered mass, effective number of MFD modes.")
@@ -379,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; > 0: sampled with the target's law (every method seeded alike)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed at --temperature > 0")
     p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/acceptance-smollm2.json)")
     p.add_argument("--plot", help="write a speed-up vs budget PNG here")
     p.set_defaults(func=_eval)

@@ -14,26 +14,31 @@ import torch
 from mfd_sglang.lab import evaluate
 from mfd_sglang.cli import main
 from mfd_sglang.lab.evaluate import chimera_count, covered_mass, node_paths, run_method
-from mfd_sglang.hf import GenerationOutput, RoundStats, SpeculativeGenerator, eos_token_ids
+from mfd_sglang.hf import GenerationOutput, RoundStats, SamplingParams, SpeculativeGenerator, eos_token_ids
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.verify import TreeVerifyResult
 
 
-def test_eval_cli_writes_table_json_and_plot(tiny_pair, tiny_dflash_drafter, tmp_path, capsys):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eval_cli_writes_table_json_and_plot(tiny_pair, tiny_dflash_drafter, tmp_path, capsys, temperature):
     """Each cell's tau and rounds are those of the reference engine run directly on the same prompts
-    (fp32 greedy: deterministic), and MFD's effective number of modes is exp(entropy) of the best modes
-    of the nodes those runs accepted. Speed-ups are timings: only their presence is checked."""
+    (fp32 greedy, or sampled with the given seed: deterministic), and MFD's effective number of modes is
+    exp(entropy) of the best modes of the nodes those runs accepted. Speed-ups are timings: only their
+    presence is checked."""
     from transformers import AutoTokenizer
 
     out, png = tmp_path / "acc.json", tmp_path / "acc.png"
     code = main(["eval", "--target", str(tiny_pair / "target"), "--single", str(tiny_dflash_drafter),
                  "--mfd", str(tiny_pair / "drafter"), "--prompts-file", str(tiny_pair / "prompts.json"),
-                 "--limit", "3", "--budgets", "4", "16", "--max-new-tokens", "24", "--out", str(out), "--plot", str(png)])
+                 "--limit", "3", "--budgets", "4", "16", "--max-new-tokens", "24", "--out", str(out), "--plot", str(png),
+                 "--temperature", str(temperature), "--seed", "3"])
     assert code == 0
     table = capsys.readouterr().out
     assert "ddtree" in table and "mfd" in table and "chimeras" in table
     report = json.loads(out.read_text())
     assert report["budgets"] == [4, 16] and report["date"] and report["command"].startswith("python -m mfd_sglang eval")
+    assert report["temperature"] == temperature
+    params = SamplingParams(temperature=temperature, seed=3) if temperature > 0 else None
     per_set = report["results"]["prompts"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -48,7 +53,7 @@ def test_eval_cli_writes_table_json_and_plot(tiny_pair, tiny_dflash_drafter, tmp
         cells["mfd", str(budget)] = SpeculativeGenerator.from_paths(tiny_pair / "target", tiny_pair / "drafter",
                                                                     budget=budget)
     for (method, budget), engine in cells.items():
-        rounds = [r for ids in prompts for r in engine.generate(ids, 24, eos_token_ids=eos).rounds]
+        rounds = [r for ids in prompts for r in engine.generate(ids, 24, params=params, eos_token_ids=eos).rounds]
         cell = per_set[method][budget]
         assert (cell["tau"], cell["rounds"]) == (sum(r.emitted for r in rounds) / len(rounds), len(rounds)), (method, budget)
         assert cell["speedup"] is not None and f"{cell['tau']:.2f} (" in table

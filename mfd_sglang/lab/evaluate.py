@@ -1,9 +1,11 @@
 """Acceptance evaluation on the reference engine: chain vs DDTree (single-mode drafter) vs MFD.
 
 For each prompt set, method and budget: mean tau (tokens per verify round) and the speed-up over
-plain autoregressive decoding measured in the same run, greedy (T = 0). Also:
+plain autoregressive decoding (greedy) measured in the same run, at temperature T (0: greedy; T > 0:
+the target's law, lossless, each prompt seeded alike for every method). Also:
   - chimera share of the single-mode tree: a valid node is a chimera when (1) its path is not a
-    prefix of the target's greedy continuation from that root, (2) every token of the path is the
+    prefix of the continuation the run emitted from that root (the target's greedy one at T = 0),
+    (2) every token of the path is the
     argmax of some MFD mode at its depth, and (3) no single mode's argmax chain holds the whole path,
     i.e. the path splices two or more modes' futures. Share = chimeras / valid nodes.
   - covered mass: the expected number of tree-path tokens a future drawn from the drafter's own
@@ -186,22 +188,25 @@ def ar_tokens_per_second(engine: SpeculativeGenerator, prompts: list[list[int]],
 
 
 def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str, list[list[int]]],
-             budgets: list[int], max_new: int, eos: set[int], log=print) -> dict:
-    """Every set x method x budget; returns {set: {method: {budget: summary}}} plus the AR baseline."""
+             budgets: list[int], max_new: int, eos: set[int], log=print, temperature: float = 0.0,
+             seed: int = 0) -> dict:
+    """Every set x method x budget; returns {set: {method: {budget: summary}}} plus the AR baseline.
+    temperature > 0 samples every method with the same seed."""
+    params = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else None
     results: dict = {}
     for name, prompts in prompt_sets.items():
         # The single-mode drafter always drafts its default path (its only mode when K = 1).
         chain = SpeculativeGenerator(target, single, tree="chain", single_mode=True)
         ar_tps = ar_tokens_per_second(chain, prompts, max_new, eos)
         set_results = {"ar_tokens_per_second": ar_tps, "prompts": len(prompts)}
-        stats, _ = run_method(chain, prompts, max_new, eos)
+        stats, _ = run_method(chain, prompts, max_new, eos, params=params)
         set_results["chain"] = {str(single.cfg.block_size - 1): stats.summary(ar_tps)}
         mfd_reference = SpeculativeGenerator(target, mfd)
         for method, drafter in (("ddtree", single), ("mfd", mfd)):
             set_results[method] = {}
             for budget in budgets:
                 engine = SpeculativeGenerator(target, drafter, budget=budget, single_mode=method == "ddtree")
-                stats, _ = run_method(engine, prompts, max_new, eos,
+                stats, _ = run_method(engine, prompts, max_new, eos, params=params,
                                       chimera_reference=mfd_reference if method == "ddtree" else None)
                 set_results[method][str(budget)] = stats.summary(ar_tps)
                 log(f"  {name:<6} {method:<7} B={budget:<4} tau {set_results[method][str(budget)]['tau']:.2f}")
@@ -255,7 +260,8 @@ def plot(results: dict, budgets: list[int], path: Path) -> None:
     plt.close(fig)
 
 
-def write_json(results: dict, path: Path, command: str, budgets: list[int]) -> None:
+def write_json(results: dict, path: Path, command: str, budgets: list[int], temperature: float = 0.0) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"date": dt.date.today().isoformat(), "command": command, "budgets": budgets, "results": results}
+    payload = {"date": dt.date.today().isoformat(), "command": command, "budgets": budgets,
+               "temperature": temperature, "results": results}
     path.write_text(json.dumps(payload, indent=1) + "\n")
