@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import queue
+import statistics
 import sys
 import tempfile
 import threading
@@ -77,7 +78,10 @@ def server_command(name: str, args, port: int, device: str, max_batch: int) -> l
 
 
 def compare_auto(results: dict) -> dict:
-    """Per `X@auto` configuration and b: its speed over AR's and over the best fixed `X@B`'s."""
+    """Per `X@auto` configuration and b: its speed over AR's and over the best fixed `X@B`'s (medians).
+    With repeats, also the median of the paired ratios (`vs_ar_paired`, `vs_best_fixed_paired`): the
+    configurations of one repeat ran in one turn, so a ratio within a turn is free of the drift between
+    turns that the two medians may catch at different times."""
     report = {}
     for name, runs in results.items():
         base, budget = split_config(name)
@@ -86,13 +90,27 @@ def compare_auto(results: dict) -> dict:
         fixed = {n: r for n, r in results.items() if split_config(n)[0] == base and split_config(n)[1] not in (None, "auto")}
         report[name] = {}
         for b, run in runs.items():
-            speed = run["decode_tokens_per_second"]
-            entry = {"vs_ar": speed / results["ar"][b]["decode_tokens_per_second"] if "ar" in results else None}
+            entry = {}
+            if "ar" in results:
+                entry.update(ratios(run, results["ar"][b], "vs_ar"))
+            else:
+                entry["vs_ar"] = None
             if fixed:
                 best = max(fixed, key=lambda n: fixed[n][b]["decode_tokens_per_second"])
-                entry.update(best_fixed=best, vs_best_fixed=speed / fixed[best][b]["decode_tokens_per_second"])
+                entry["best_fixed"] = best
+                entry.update(ratios(run, fixed[best][b], "vs_best_fixed"))
             report[name][b] = entry
     return report
+
+
+def ratios(run: dict, other: dict, key: str) -> dict:
+    """{key: median speed over other's} and, when both have the same number of repeats,
+    {key_paired: the median of the per-repeat ratios}."""
+    out = {key: run["decode_tokens_per_second"] / other["decode_tokens_per_second"]}
+    mine, theirs = run.get("repeats_decode_tokens_per_second"), other.get("repeats_decode_tokens_per_second")
+    if mine and theirs and len(mine) == len(theirs):
+        out[key + "_paired"] = statistics.median(a / b for a, b in zip(mine, theirs))
+    return out
 
 
 def stream_one(base_url: str, text: str, max_tokens: int, timeout: float) -> dict:

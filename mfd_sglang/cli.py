@@ -184,7 +184,7 @@ def _eval(args: argparse.Namespace) -> int:
               file=sys.stderr)
     results = evaluate.evaluate(target, drafters["single"], drafters["mfd"], prompt_sets, args.budgets,
                                 args.max_new_tokens, eos, log=lambda *a: print(*a, file=sys.stderr),
-                                temperature=args.temperature, seed=args.seed)
+                                temperature=args.temperature, seed=args.seed, batch_size=args.batch_size)
     print(evaluate.format_table(results, args.budgets))
     if args.out:
         evaluate.write_json(results, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv), args.budgets,
@@ -384,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; > 0: sampled with the target's law (every method seeded alike)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at --temperature > 0")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts generated at once; > 1 is faster and reports acceptance only (the speed-ups "
+                        "are measured at batch 1)")
     p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/acceptance-smollm2.json)")
     p.add_argument("--plot", help="write a speed-up vs budget PNG here")
     p.set_defaults(func=_eval)

@@ -190,3 +190,11 @@ def test_closed_loop_compares_auto_with_ar_and_the_best_fixed_budget():
                                          "vs_best_fixed": pytest.approx(0.96)}
     assert report["mfd_d@auto"]["4"]["best_fixed"] == "mfd_d@16"
     assert report["mfd@auto"]["4"] == {"vs_ar": pytest.approx(0.5)}  # no fixed mfd budget was run
+
+    # Repeats: the median of the ratios within each turn, beside the ratio of the medians.
+    results = {"ar": {"2": {"decode_tokens_per_second": 20.0, "repeats_decode_tokens_per_second": [24.0, 20.0, 16.0]}},
+               "mfd_d@4": {"2": {"decode_tokens_per_second": 9.0, "repeats_decode_tokens_per_second": [9.0, 12.0, 6.0]}},
+               "mfd_d@auto": {"2": {"decode_tokens_per_second": 18.0, "repeats_decode_tokens_per_second": [24.0, 18.0, 16.8]}}}
+    assert compare_auto(results)["mfd_d@auto"]["2"] == {
+        "vs_ar": pytest.approx(0.9), "vs_ar_paired": pytest.approx(1.0), "best_fixed": "mfd_d@4",
+        "vs_best_fixed": pytest.approx(2.0), "vs_best_fixed_paired": pytest.approx(2.6666667)}

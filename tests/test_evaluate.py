@@ -19,19 +19,19 @@ from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.verify import TreeVerifyResult
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_eval_cli_writes_table_json_and_plot(tiny_pair, tiny_dflash_drafter, tmp_path, capsys, temperature):
-    """Each cell's tau and rounds are those of the reference engine run directly on the same prompts
-    (fp32 greedy, or sampled with the given seed: deterministic), and MFD's effective number of modes is
-    exp(entropy) of the best modes of the nodes those runs accepted. Speed-ups are timings: only their
-    presence is checked."""
+@pytest.mark.parametrize("temperature,batch_size", [(0.0, 1), (1.0, 2)])
+def test_eval_cli_writes_table_json_and_plot(tiny_pair, tiny_dflash_drafter, tmp_path, capsys, temperature, batch_size):
+    """Each cell's tau and rounds are those of the reference engine run directly on the same prompts in
+    the same batches (fp32 greedy, or sampled with the given seed: deterministic), and MFD's effective
+    number of modes is exp(entropy) of the best modes of the nodes those runs accepted. Speed-ups are
+    timings, measured at batch 1 only: only their presence is checked."""
     from transformers import AutoTokenizer
 
     out, png = tmp_path / "acc.json", tmp_path / "acc.png"
     code = main(["eval", "--target", str(tiny_pair / "target"), "--single", str(tiny_dflash_drafter),
                  "--mfd", str(tiny_pair / "drafter"), "--prompts-file", str(tiny_pair / "prompts.json"),
                  "--limit", "3", "--budgets", "4", "16", "--max-new-tokens", "24", "--out", str(out), "--plot", str(png),
-                 "--temperature", str(temperature), "--seed", "3"])
+                 "--temperature", str(temperature), "--seed", "3", "--batch-size", str(batch_size)])
     assert code == 0
     table = capsys.readouterr().out
     assert "ddtree" in table and "mfd" in table and "chimeras" in table
@@ -53,10 +53,14 @@ def test_eval_cli_writes_table_json_and_plot(tiny_pair, tiny_dflash_drafter, tmp
         cells["mfd", str(budget)] = SpeculativeGenerator.from_paths(tiny_pair / "target", tiny_pair / "drafter",
                                                                     budget=budget)
     for (method, budget), engine in cells.items():
-        rounds = [r for ids in prompts for r in engine.generate(ids, 24, params=params, eos_token_ids=eos).rounds]
+        rounds = [r for first in range(0, len(prompts), batch_size)
+                  for out in engine.generate_batch(prompts[first : first + batch_size], 24, params=params,
+                                                   eos_token_ids=eos)
+                  for r in out.rounds]
         cell = per_set[method][budget]
         assert (cell["tau"], cell["rounds"]) == (sum(r.emitted for r in rounds) / len(rounds), len(rounds)), (method, budget)
-        assert cell["speedup"] is not None and f"{cell['tau']:.2f} (" in table
+        assert (cell["speedup"] is not None) == (batch_size == 1)
+        assert (f"{cell['tau']:.2f} (" if batch_size == 1 else f"{cell['tau']:.2f}") in table
         if method == "mfd":
             modes = Counter(m for r in rounds for m in r.accepted_modes)
             total = sum(modes.values())

@@ -41,12 +41,12 @@ class MethodStats:
     covered_mass: float = 0.0
     accepted_modes: Counter = field(default_factory=Counter)
 
-    def summary(self, ar_tokens_per_second: float) -> dict:
+    def summary(self, ar_tokens_per_second: float | None) -> dict:
         usage = sum(self.accepted_modes.values())
         entropy = -sum(c / usage * math.log(c / usage) for c in self.accepted_modes.values()) if usage else 0.0
         return {
             "tau": self.tokens / max(self.rounds, 1),
-            "speedup": self.tokens / self.seconds / ar_tokens_per_second if self.seconds else None,
+            "speedup": self.tokens / self.seconds / ar_tokens_per_second if self.seconds and ar_tokens_per_second else None,
             "covered_mass": self.covered_mass / max(self.rounds, 1),
             "chimera_share": self.chimeras / self.valid_nodes if self.valid_nodes else None,
             "effective_modes": math.exp(entropy),
@@ -150,33 +150,35 @@ def load_inputs(target_path, single_path, mfd_path, dtype: torch.dtype, sets: li
 
 def run_method(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: int, eos: set[int],
                chimera_reference: SpeculativeGenerator | None = None,
-               params: SamplingParams | None = None) -> tuple[MethodStats, list[list[int]]]:
-    """Generate every prompt (batch 1, timed) and gather the statistics."""
+               params: SamplingParams | None = None, batch_size: int = 1) -> tuple[MethodStats, list[list[int]]]:
+    """Generate every prompt (batch_size at a time, timed) and gather the statistics."""
     stats = MethodStats()
     outputs = []
-    for ids in prompts:
-        rounds = []
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first : first + batch_size]
+        rounds = [[] for _ in batch]  # per row: (committed length, node paths, valid) of each round
 
         def on_round(row, length, logprobs, tree, result):
             paths = node_paths(tree, row)
             valid = tree.valid[row]
-            rounds.append((length, paths, valid))
+            rounds[row].append((length, paths, valid))
             stats.valid_nodes += int(valid.sum())
             stats.covered_mass += covered_mass(logprobs[row], paths, valid, engine.drafter.to_draft_ids)
             local = result.accepted_local_indices[row]
             stats.accepted_modes.update(tree.modes[row, local[local >= 0] - 1].tolist())
 
         start = time.perf_counter()
-        out = engine.generate_batch([ids], max_new, params=params, eos_token_ids=eos, on_round=on_round)[0]
+        outs = engine.generate_batch(batch, max_new, params=params, eos_token_ids=eos, on_round=on_round)
         stats.seconds += time.perf_counter() - start
-        stats.tokens += sum(r.emitted for r in out.rounds)
-        stats.rounds += len(out.rounds)
-        outputs.append(out.token_ids)
-        if chimera_reference is not None and rounds:
-            sequence = list(ids) + out.token_ids
-            chains = mode_argmax_chains(chimera_reference, sequence, [length for length, _, _ in rounds])
-            for (length, paths, valid), mode_chains in zip(rounds, chains):
-                stats.chimeras += chimera_count(paths, valid, mode_chains, sequence[length + 1:])
+        for ids, out, row_rounds in zip(batch, outs, rounds):
+            stats.tokens += sum(r.emitted for r in out.rounds)
+            stats.rounds += len(out.rounds)
+            outputs.append(out.token_ids)
+            if chimera_reference is not None and row_rounds:
+                sequence = list(ids) + out.token_ids
+                chains = mode_argmax_chains(chimera_reference, sequence, [length for length, _, _ in row_rounds])
+                for (length, paths, valid), mode_chains in zip(row_rounds, chains):
+                    stats.chimeras += chimera_count(paths, valid, mode_chains, sequence[length + 1:])
     return stats, outputs
 
 
@@ -189,24 +191,25 @@ def ar_tokens_per_second(engine: SpeculativeGenerator, prompts: list[list[int]],
 
 def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str, list[list[int]]],
              budgets: list[int], max_new: int, eos: set[int], log=print, temperature: float = 0.0,
-             seed: int = 0) -> dict:
+             seed: int = 0, batch_size: int = 1) -> dict:
     """Every set x method x budget; returns {set: {method: {budget: summary}}} plus the AR baseline.
-    temperature > 0 samples every method with the same seed."""
+    temperature > 0 samples every method with the same seed. batch_size > 1 generates that many prompts
+    at once (acceptance only: the speed-ups, measured at batch 1, are None and AR is not run)."""
     params = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else None
     results: dict = {}
     for name, prompts in prompt_sets.items():
         # The single-mode drafter always drafts its default path (its only mode when K = 1).
         chain = SpeculativeGenerator(target, single, tree="chain", single_mode=True)
-        ar_tps = ar_tokens_per_second(chain, prompts, max_new, eos)
+        ar_tps = ar_tokens_per_second(chain, prompts, max_new, eos) if batch_size == 1 else None
         set_results = {"ar_tokens_per_second": ar_tps, "prompts": len(prompts)}
-        stats, _ = run_method(chain, prompts, max_new, eos, params=params)
+        stats, _ = run_method(chain, prompts, max_new, eos, params=params, batch_size=batch_size)
         set_results["chain"] = {str(single.cfg.block_size - 1): stats.summary(ar_tps)}
         mfd_reference = SpeculativeGenerator(target, mfd)
         for method, drafter in (("ddtree", single), ("mfd", mfd)):
             set_results[method] = {}
             for budget in budgets:
                 engine = SpeculativeGenerator(target, drafter, budget=budget, single_mode=method == "ddtree")
-                stats, _ = run_method(engine, prompts, max_new, eos, params=params,
+                stats, _ = run_method(engine, prompts, max_new, eos, params=params, batch_size=batch_size,
                                       chimera_reference=mfd_reference if method == "ddtree" else None)
                 set_results[method][str(budget)] = stats.summary(ar_tps)
                 log(f"  {name:<6} {method:<7} B={budget:<4} tau {set_results[method][str(budget)]['tau']:.2f}")
@@ -215,19 +218,23 @@ def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str,
 
 
 def format_table(results: dict, budgets: list[int]) -> str:
-    """tau (speed-up) per set, method and budget; chimera share and effective modes below each set."""
+    """tau (speed-up, when measured) per set, method and budget; chimera share and effective modes below
+    each set."""
     w = max(len(name) for name in results) + 2
 
     def row(label: str, method: str, cells: list[str]) -> str:
         return f"{label:<{w}}{method:<9}" + "".join(f"{c:>16}" for c in cells)
 
+    def cell(summary: dict) -> str:
+        speedup = summary["speedup"]
+        return f"{summary['tau']:.2f}" + ("" if speedup is None else f" ({speedup:.2f}x)")
+
     lines = [row("set", "method", [f"B={b}" for b in budgets])]
     for name, per_set in results.items():
         chain = next(iter(per_set["chain"].values()))
-        lines.append(row(name, "chain", [f"{chain['tau']:.2f} ({chain['speedup']:.2f}x)", "(no budget)"]))
+        lines.append(row(name, "chain", [cell(chain), "(no budget)"]))
         for method in ("ddtree", "mfd"):
-            cells = [per_set[method][str(b)] for b in budgets]
-            lines.append(row("", method, [f"{c['tau']:.2f} ({c['speedup']:.2f}x)" for c in cells]))
+            lines.append(row("", method, [cell(per_set[method][str(b)]) for b in budgets]))
         shares = [per_set["ddtree"][str(b)]["chimera_share"] for b in budgets]
         lines.append(row("", "chimeras", ["-" if s is None else f"{s:.3f}" for s in shares]))
         lines.append(row("", "modes", [f"{per_set['mfd'][str(b)]['effective_modes']:.2f}" for b in budgets]))
@@ -235,7 +242,8 @@ def format_table(results: dict, budgets: list[int]) -> str:
 
 
 def plot(results: dict, budgets: list[int], path: Path) -> None:
-    """Speed-up over autoregressive decoding against the budget, one line per method (mean over sets)."""
+    """Speed-up over autoregressive decoding (tau when speed-ups were not measured) against the budget,
+    one line per method (mean over sets)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,15 +251,16 @@ def plot(results: dict, budgets: list[int], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     sets = list(results.values())
-    chain = sum(next(iter(s["chain"].values()))["speedup"] for s in sets) / len(sets)
+    metric = "tau" if next(iter(sets[0]["chain"].values()))["speedup"] is None else "speedup"
+    chain = sum(next(iter(s["chain"].values()))[metric] for s in sets) / len(sets)
     ax.plot(budgets, [chain] * len(budgets), "--", label="DFlash chain", color="gray")
     for method, label in (("ddtree", "DDTree (single-mode)"), ("mfd", "MFD")):
-        ax.plot(budgets, [sum(s[method][str(b)]["speedup"] for s in sets) / len(sets) for b in budgets],
+        ax.plot(budgets, [sum(s[method][str(b)][metric] for s in sets) / len(sets) for b in budgets],
                 marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.set_xlabel("tree budget B")
-    ax.set_ylabel("speed-up over autoregressive")
+    ax.set_ylabel("speed-up over autoregressive" if metric == "speedup" else "tau (tokens per round)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
