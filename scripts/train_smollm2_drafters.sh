@@ -10,7 +10,10 @@
 # Data: the target's greedy answers (up to 256 tokens, chat template) to EVERY training prompt of the
 # three sets (1005). A 2-layer single-mode base, then the same extra steps for a single-mode drafter,
 # an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
-# data, same steps). On 2 CPU cores this takes hours; run it under `nice` beside other work.
+# data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one on
+# ALL held-out prompts, T = 0 and T = 1, B = 8..64, 8 prompts at a time: one JSON per (K, T, set) in
+# OUT/eval/, a finished one skipped. On 2 CPU cores this takes hours; run it under `nice` beside other
+# work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -26,4 +29,16 @@ $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash0" --regenerate-sets co
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash" --init-from "$RUN/dflash0" --num-modes 1 --steps "$EXTRA_STEPS"
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd4" --init-from "$RUN/dflash0" --num-modes 4 --steps "$EXTRA_STEPS"
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd8" --init-from "$RUN/dflash0" --num-modes 8 --steps "$EXTRA_STEPS"
-echo "done: $RUN/{dflash,mfd4,mfd8}"
+mkdir -p "$RUN/eval"
+for TEMP in 0 1; do
+    for SET in code chat math; do
+        for K in 4 8; do
+            OUT="$RUN/eval/mfd$K-T$TEMP-$SET.json"
+            [ -f "$OUT" ] && continue
+            $PY -m mfd_sglang eval --target "$T" --single "$RUN/dflash" --mfd "$RUN/mfd$K" --sets "$SET" \
+                --budgets 8 16 32 64 --max-new-tokens 128 --dtype bfloat16 --temperature "$TEMP" --seed 0 \
+                --batch-size 8 --out "$OUT.tmp" && mv "$OUT.tmp" "$OUT"
+        done
+    done
+done
+echo "done: $RUN/{dflash,mfd4,mfd8} and $RUN/eval/"
