@@ -10,9 +10,9 @@
 # Data: the target's greedy answers (up to 256 tokens, chat template) to EVERY training prompt of the
 # three sets (1005). A 2-layer single-mode base, then the same extra steps for a single-mode drafter,
 # an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
-# data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one on
-# ALL held-out prompts, T = 0 and T = 1, B = 8..64, 8 prompts at a time: one JSON per (K, T, set) in
-# OUT/eval/, a finished one skipped. On 2 CPU cores this takes hours; run it under `nice` beside other
+# data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and
+# of today's shipped pair, on ALL held-out prompts, T = 0 and T = 1, B = 8..64, 8 prompts at a time: one
+# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. On 2 CPU cores this takes hours; run it under `nice` beside other
 # work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,14 +29,19 @@ $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash0" --regenerate-sets co
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash" --init-from "$RUN/dflash0" --num-modes 1 --steps "$EXTRA_STEPS"
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd4" --init-from "$RUN/dflash0" --num-modes 4 --steps "$EXTRA_STEPS"
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd8" --init-from "$RUN/dflash0" --num-modes 8 --steps "$EXTRA_STEPS"
+# Evaluation: each new MFD drafter against the new single-mode one, and today's shipped pair as the
+# baseline to beat, on the same prompts; 64 new tokens (the verify forwards dominate: about 20 minutes
+# per set, T and pair on 2 free cores).
 mkdir -p "$RUN/eval"
+SHIPPED=drafters/smollm2-135m
 for TEMP in 0 1; do
-    for SET in code chat math; do
-        for K in 4 8; do
-            OUT="$RUN/eval/mfd$K-T$TEMP-$SET.json"
+    for PAIR in mfd4 mfd8 shipped; do
+        if [ "$PAIR" = shipped ]; then SINGLE=$SHIPPED/dflash MFD=$SHIPPED/mfd; else SINGLE=$RUN/dflash MFD=$RUN/$PAIR; fi
+        for SET in code chat math; do
+            OUT="$RUN/eval/$PAIR-T$TEMP-$SET.json"
             [ -f "$OUT" ] && continue
-            $PY -m mfd_sglang eval --target "$T" --single "$RUN/dflash" --mfd "$RUN/mfd$K" --sets "$SET" \
-                --budgets 8 16 32 64 --max-new-tokens 128 --dtype bfloat16 --temperature "$TEMP" --seed 0 \
+            $PY -m mfd_sglang eval --target "$T" --single "$SINGLE" --mfd "$MFD" --sets "$SET" \
+                --budgets 8 16 32 64 --max-new-tokens 64 --dtype bfloat16 --temperature "$TEMP" --seed 0 \
                 --batch-size 8 --out "$OUT.tmp" && mv "$OUT.tmp" "$OUT"
         done
     done
