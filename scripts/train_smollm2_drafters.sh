@@ -12,8 +12,9 @@
 # an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
 # data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and
 # of today's shipped pair, on ALL held-out prompts, T = 0 and T = 1, B = 8..64, 8 prompts at a time: one
-# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. On 2 CPU cores this takes hours; run it under `nice` beside other
-# work.
+# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. On 2 CPU cores this takes hours; run it
+# under `nice` beside other work (and run a copy: bash reads a script as it goes, so editing this file under
+# a running instance makes it read the wrong lines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -30,8 +31,9 @@ $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash" --init-from "$RUN/dfl
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd4" --init-from "$RUN/dflash0" --num-modes 4 --steps "$EXTRA_STEPS"
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd8" --init-from "$RUN/dflash0" --num-modes 8 --steps "$EXTRA_STEPS"
 # Evaluation: each new MFD drafter against the new single-mode one, and today's shipped pair as the
-# baseline to beat, on the same prompts; 64 new tokens (the verify forwards dominate: about 20 minutes
-# per set, T and pair on 2 free cores).
+# baseline to beat, on the same prompts; 64 new tokens (the target's verify forwards are 60% of the time:
+# 8 chat prompts x 128 tokens took 7.7 minutes on one core, so a unit of ~80 prompts x 64 tokens is
+# expected near 40 core-minutes, not measured).
 mkdir -p "$RUN/eval"
 SHIPPED=drafters/smollm2-135m
 for TEMP in 0 1; do
