@@ -90,11 +90,7 @@ def compare_auto(results: dict) -> dict:
         fixed = {n: r for n, r in results.items() if split_config(n)[0] == base and split_config(n)[1] not in (None, "auto")}
         report[name] = {}
         for b, run in runs.items():
-            entry = {}
-            if "ar" in results:
-                entry.update(ratios(run, results["ar"][b], "vs_ar"))
-            else:
-                entry["vs_ar"] = None
+            entry = ratios(run, results["ar"][b], "vs_ar") if "ar" in results else {"vs_ar": None}
             if fixed:
                 best = max(fixed, key=lambda n: fixed[n][b]["decode_tokens_per_second"])
                 entry["best_fixed"] = best

@@ -368,10 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (prompts and provenance)")
     p.set_defaults(func=_prompts)
     p = sub.add_parser("eval", help="acceptance evaluation: chain vs DDTree vs MFD per budget (reference engine)",
-                       description="Generation (greedy, or sampled at --temperature) on held-out prompts with the DFlash chain and the DDTree "
-                                   "tree of a single-mode drafter and the MFD tree of a K-mode drafter, at every "
-                                   "budget: mean tau, speed-up over plain decoding (same run), chimera share of "
-                                   "the single-mode tree, covered mass, effective number of MFD modes.")
+                       description="Generation (greedy, or sampled at --temperature) on held-out prompts with the "
+                                   "DFlash chain and the DDTree tree of a single-mode drafter and the MFD tree of a "
+                                   "K-mode drafter, at every budget: mean tau, speed-up over plain decoding (same "
+                                   "run), chimera share of the single-mode tree, covered mass, effective number of "
+                                   "MFD modes.")
     p.add_argument("--target", required=True, help="HF model directory of the target")
     p.add_argument("--single", required=True, help="single-mode drafter (DFlash, or an MFD drafter's default path)")
     p.add_argument("--mfd", required=True, help="MFD drafter (K modes)")

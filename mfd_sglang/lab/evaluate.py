@@ -5,9 +5,9 @@ plain autoregressive decoding (greedy) measured in the same run, at temperature 
 the target's law, lossless, each prompt seeded alike for every method). Also:
   - chimera share of the single-mode tree: a valid node is a chimera when (1) its path is not a
     prefix of the continuation the run emitted from that root (the target's greedy one at T = 0),
-    (2) every token of the path is the
-    argmax of some MFD mode at its depth, and (3) no single mode's argmax chain holds the whole path,
-    i.e. the path splices two or more modes' futures. Share = chimeras / valid nodes.
+    (2) every token of the path is the argmax of some MFD mode at its depth, and (3) no single mode's
+    argmax chain holds the whole path, i.e. the path splices two or more modes' futures.
+    Share = chimeras / valid nodes.
   - covered mass: the expected number of tree-path tokens a future drawn from the drafter's own
     mode mixture would match, sum over nodes u of (1/K) sum_k prod_i q_k,i(u_i).
   - mode usage of MFD: the effective number of modes, exp(entropy) of the best modes of accepted
