@@ -12,40 +12,57 @@
 # an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
 # data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and
 # of today's shipped pair, on ALL held-out prompts, T = 0 and T = 1, B = 8..64, 8 prompts at a time: one
-# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. On 2 CPU cores this takes hours; run it
-# under `nice` beside other work (and run a copy: bash reads a script as it goes, so editing this file under
-# a running instance makes it read the wrong lines).
+# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. On 2 CPU cores this takes many hours; run
+# it under `nice` beside other work (and run a copy: bash reads a script as it goes, so editing this file
+# under a running instance makes it read the wrong lines). JOBS (default 2) stages or units run at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 RUN=${RUN_DIR:-runs/smollm2-v2}
 BASE_STEPS=${BASE_STEPS:-3000}
 EXTRA_STEPS=${EXTRA_STEPS:-800}
+JOBS=${JOBS:-2}
 DATA=${DATA:-data/smollm2-135m-regenerated.jsonl}
 mkdir -p "$RUN"
 T=$($PY -m mfd_sglang prepare-target)
 COMMON=(--target "$T" --data "$DATA" --batch-size 2 --anchors 32 --save-every 100 --dtype bfloat16 --resume)
 $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash0" --regenerate-sets code,chat,math \
     --max-new-tokens 256 --steps "$BASE_STEPS" --layers 2 --draft-vocab-size 4096
-$PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/dflash" --init-from "$RUN/dflash0" --num-modes 1 --steps "$EXTRA_STEPS"
-$PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd4" --init-from "$RUN/dflash0" --num-modes 4 --steps "$EXTRA_STEPS"
-$PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/mfd8" --init-from "$RUN/dflash0" --num-modes 8 --steps "$EXTRA_STEPS"
+# The extra-step stages and the evaluation units run JOBS at a time, one thread each (two single-thread
+# processes use 2 cores better than one process with two threads).
+pids=()
+launch() {
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 5; done
+    OMP_NUM_THREADS=1 "$@" &
+    pids+=($!)
+}
+finish() {  # wait for every launched job; a failed one stops the script (set -e)
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    pids=()
+}
+for STAGE in dflash:1 mfd4:4 mfd8:8; do
+    launch $PY -m mfd_sglang train "${COMMON[@]}" --out "$RUN/${STAGE%:*}" --init-from "$RUN/dflash0" \
+        --num-modes "${STAGE#*:}" --steps "$EXTRA_STEPS"
+done
+finish
 # Evaluation: each new MFD drafter against the new single-mode one, and today's shipped pair as the
-# baseline to beat, on the same prompts; 64 new tokens (the target's verify forwards are 60% of the time:
-# 8 chat prompts x 128 tokens took 7.7 minutes on one core, so a unit of ~80 prompts x 64 tokens is
-# expected near 40 core-minutes, not measured).
-mkdir -p "$RUN/eval"
+# baseline to beat, on the same prompts, T = 1 first; 64 new tokens (the target's verify forwards are 60%
+# of the time). EVAL_LIMIT=N evaluates the first N held-out prompts of each set (into eval-lN/).
+EVAL_DIR=$RUN/eval${EVAL_LIMIT:+-l$EVAL_LIMIT}
+mkdir -p "$EVAL_DIR"
 SHIPPED=drafters/smollm2-135m
-for TEMP in 0 1; do
+for TEMP in 1 0; do
     for PAIR in mfd4 mfd8 shipped; do
         if [ "$PAIR" = shipped ]; then SINGLE=$SHIPPED/dflash MFD=$SHIPPED/mfd; else SINGLE=$RUN/dflash MFD=$RUN/$PAIR; fi
         for SET in code chat math; do
-            OUT="$RUN/eval/$PAIR-T$TEMP-$SET.json"
+            OUT="$EVAL_DIR/$PAIR-T$TEMP-$SET.json"
             [ -f "$OUT" ] && continue
-            $PY -m mfd_sglang eval --target "$T" --single "$SINGLE" --mfd "$MFD" --sets "$SET" \
+            launch bash -c 'out=$1; shift; "$@" && mv "$out.tmp" "$out"' unit "$OUT" $PY -m mfd_sglang eval --target "$T" \
+                --single "$SINGLE" --mfd "$MFD" --sets "$SET" ${EVAL_LIMIT:+--limit "$EVAL_LIMIT"} \
                 --budgets 8 16 32 64 --max-new-tokens 64 --dtype bfloat16 --temperature "$TEMP" --seed 0 \
-                --batch-size 8 --out "$OUT.tmp" && mv "$OUT.tmp" "$OUT"
+                --batch-size 8 --out "$OUT.tmp"
         done
     done
 done
-echo "done: $RUN/{dflash,mfd4,mfd8} and $RUN/eval/"
+finish
+echo "done: $RUN/{dflash,mfd4,mfd8} and $EVAL_DIR/"
