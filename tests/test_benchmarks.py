@@ -198,3 +198,45 @@ def test_closed_loop_compares_auto_with_ar_and_the_best_fixed_budget():
     assert compare_auto(results)["mfd_d@auto"]["2"] == {
         "vs_ar": pytest.approx(0.9), "vs_ar_paired": pytest.approx(1.0), "best_fixed": "mfd_d@4",
         "vs_best_fixed": pytest.approx(2.0), "vs_best_fixed_paired": pytest.approx(2.6666667)}
+
+
+def eval_json(path: Path, temperature: float, sets: dict, budgets=(8, 16)) -> Path:
+    """An `mfd_sglang eval` JSON: sets {name: (prompts, chain tau, {b: (ddtree tau, mfd tau)})}."""
+    results = {}
+    for name, (prompts, chain, taus) in sets.items():
+        results[name] = {
+            "prompts": prompts, "chain": {"15": {"tau": chain}},
+            "ddtree": {str(b): {"tau": taus[b][0], "chimera_share": 0.1 * b} for b in budgets},
+            "mfd": {str(b): {"tau": taus[b][1], "effective_modes": 2.0} for b in budgets},
+        }
+    path.write_text(json.dumps({"temperature": temperature, "budgets": list(budgets), "results": results}))
+    return path
+
+
+def test_acceptance_summary_means_over_sets_per_pair_and_temperature(tmp_path):
+    from acceptance_summary import group_results, markdown, summarize
+
+    files = [
+        eval_json(tmp_path / "mfd4-T1-code.json", 1, {"code": (3, 1.5, {8: (2.0, 3.0), 16: (2.0, 2.0)})}),
+        eval_json(tmp_path / "mfd4-T1-chat.json", 1, {"chat": (5, 2.5, {8: (4.0, 3.0), 16: (1.0, 3.0)})}),
+        eval_json(tmp_path / "mfd4-T0-code.json", 0, {"code": (3, 1.0, {8: (1.0, 2.0), 16: (1.0, 1.0)})}),
+    ]
+    groups = group_results(files)
+    assert set(groups) == {("mfd4", 1.0), ("mfd4", 0.0)}
+    summary = summarize(groups[("mfd4", 1.0)])
+    assert summary["sets"] == ["code", "chat"] and summary["prompts"] == 8 and summary["chain"] == 2.0
+    assert summary["budgets"][8] == {"ddtree": 3.0, "mfd": 3.0, "mfd_over_ddtree": 1.0,
+                                     "chimera_share": 0.8, "effective_modes": 2.0}
+    assert summary["budgets"][16]["mfd_over_ddtree"] == 2.5 / 1.5
+    table = markdown(groups)
+    assert "| mfd4 | 1 | code,chat (8) | chain tau | 2.000 (any budget) |" in table
+    assert "| | | | MFD / DDTree | 1.000x | 1.667x |" in table
+
+
+def test_acceptance_summary_refuses_different_budgets_in_one_group(tmp_path):
+    from acceptance_summary import group_results
+
+    files = [eval_json(tmp_path / "p-T0-code.json", 0, {"code": (1, 1.0, {8: (1.0, 1.0), 16: (1.0, 1.0)})}),
+             eval_json(tmp_path / "p-T0-chat.json", 0, {"chat": (1, 1.0, {8: (1.0, 1.0)})}, budgets=(8,))]
+    with pytest.raises(ValueError, match="budgets"):
+        group_results(files)
