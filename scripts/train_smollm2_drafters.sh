@@ -12,7 +12,8 @@
 # an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
 # data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and
 # of today's shipped pair, on ALL held-out prompts, T = 0 and T = 1, B = 8..64, 8 prompts at a time: one
-# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. On 2 CPU cores this takes many hours; run
+# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. The evaluation is ~1.5 core-minutes per
+# prompt (239 held-out prompts, 193 of them math: ~36 core-hours in all, EVAL_LIMIT below); run
 # it under `nice` beside other work (and run a copy: bash reads a script as it goes, so editing this file
 # under a running instance makes it read the wrong lines). JOBS (default 2) stages or units run at once.
 set -euo pipefail
