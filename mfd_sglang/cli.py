@@ -184,7 +184,7 @@ def _eval(args: argparse.Namespace) -> int:
               file=sys.stderr)
     results = evaluate.evaluate(target, drafters["single"], drafters["mfd"], prompt_sets, args.budgets,
                                 args.max_new_tokens, eos, log=lambda *a: print(*a, file=sys.stderr),
-                                temperature=args.temperature, seed=args.seed, batch_size=args.batch_size)
+                                temperature=args.temperature, seed=args.seed)
     print(evaluate.format_table(results, args.budgets))
     if args.out:
         evaluate.write_json(results, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv), args.budgets,
@@ -367,12 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per set")
     p.add_argument("--json", action="store_true", help="print one JSON object (prompts and provenance)")
     p.set_defaults(func=_prompts)
-    p = sub.add_parser("eval", help="acceptance evaluation: chain vs DDTree vs MFD per budget (reference engine)",
-                       description="Generation (greedy, or sampled at --temperature) on held-out prompts with the "
-                                   "DFlash chain and the DDTree tree of a single-mode drafter and the MFD tree of a "
-                                   "K-mode drafter, at every budget: mean tau, speed-up over plain decoding (same "
-                                   "run), chimera share of the single-mode tree, covered mass, effective number of "
-                                   "MFD modes.")
+    p = sub.add_parser("eval", help="acceptance evaluation: chain vs DDTree vs MFD per budget (by replay)",
+                       description="Acceptance on held-out prompts of the DFlash chain and the DDTree tree of a "
+                                   "single-mode drafter and the MFD tree of a K-mode drafter, at every budget, greedy "
+                                   "or sampled at --temperature: mean tau, chimera share of the single-mode tree, "
+                                   "covered mass, effective number of MFD modes. Each prompt is decoded once by the "
+                                   "target alone; every method's rounds are replayed against that continuation (the "
+                                   "reference engine's rounds, exactly: every method emits the target's own tokens). "
+                                   "Speed: benchmarks/hf_speed.py.")
     p.add_argument("--target", required=True, help="HF model directory of the target")
     p.add_argument("--single", required=True, help="single-mode drafter (DFlash, or an MFD drafter's default path)")
     p.add_argument("--mfd", required=True, help="MFD drafter (K modes)")
@@ -383,13 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0: greedy; > 0: sampled with the target's law (every method seeded alike)")
+                   help="0: greedy; > 0: sampled with the target's law (prompt i with seed + i, for every method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at --temperature > 0")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="prompts generated at once; > 1 is faster and reports acceptance only (the speed-ups "
-                        "are measured at batch 1)")
     p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/acceptance-smollm2.json)")
-    p.add_argument("--plot", help="write a speed-up vs budget PNG here")
+    p.add_argument("--plot", help="write a tau vs budget PNG here")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser(

@@ -64,7 +64,7 @@ class Sampling:
 
 def verify_tree_greedy(tree: DraftTree, target_logits: Tensor) -> TreeVerifyResult:
     """Accept the longest tree path that the target's argmax agrees with."""
-    return _accept_path(tree, target_logits.argmax(dim=-1))
+    return accept_path(tree, target_logits.argmax(dim=-1))
 
 
 def verify_tree_sampling(tree: DraftTree, target_logits: Tensor, sampling: Sampling,
@@ -77,7 +77,7 @@ def verify_tree_sampling(tree: DraftTree, target_logits: Tensor, sampling: Sampl
     """
     depths = with_root(0, tree.depths)
     target_tokens = sample_from_logits(target_logits, sampling, root_positions[:, None] + depths)
-    return _accept_path(tree, target_tokens)
+    return accept_path(tree, target_tokens)
 
 
 def sub_budget_accept_lens(result: TreeVerifyResult, budgets: Tensor) -> Tensor:
@@ -167,8 +167,9 @@ def _mul32(a: Tensor, c: int) -> Tensor:
     return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
 
-def _accept_path(tree: DraftTree, target_tokens: Tensor) -> TreeVerifyResult:
-    """Walk a batched tree given the target's token at every local node ([bs, N])."""
+def accept_path(tree: DraftTree, target_tokens: Tensor) -> TreeVerifyResult:
+    """Walk a batched tree given the target's token at every local node ([bs, N]): its argmax, its
+    sample, or (the evaluation's replay) the token a known continuation has after that node's depth."""
     bs, budget = tree.tokens.shape
     parents = local_parents(tree)
     matched = (tree.tokens == target_tokens.gather(1, parents[:, 1:])) & tree.valid

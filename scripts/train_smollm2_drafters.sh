@@ -11,11 +11,12 @@
 # three sets (1005). A 2-layer single-mode base, then the same extra steps for a single-mode drafter,
 # an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
 # data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and
-# of today's shipped pair, on ALL held-out prompts, T = 0 and T = 1, B = 8..64, 8 prompts at a time: one
-# JSON per (pair, T, set) in OUT/eval/, a finished one skipped. The evaluation is ~1.5 core-minutes per
-# prompt (239 held-out prompts, 193 of them math: ~36 core-hours in all, EVAL_LIMIT below); run
-# it under `nice` beside other work (and run a copy: bash reads a script as it goes, so editing this file
-# under a running instance makes it read the wrong lines). JOBS (default 2) stages or units run at once.
+# of today's shipped pair, on ALL held-out prompts (239: 32 code, 14 chat, 193 math), T = 0 and T = 1,
+# B = 8..64: one JSON per (pair, T, set) in OUT/eval/, a finished one skipped. The evaluation replays
+# every method against the target's own continuation (`mfd_sglang eval`), 5-10 core-seconds per prompt
+# and pair; run it under `nice` beside other work (and run a copy: bash reads a script as it goes, so
+# editing this file under a running instance makes it read the wrong lines). JOBS (default 2) stages or
+# units run at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -47,8 +48,8 @@ for STAGE in dflash:1 mfd4:4 mfd8:8; do
 done
 finish
 # Evaluation: each new MFD drafter against the new single-mode one, and today's shipped pair as the
-# baseline to beat, on the same prompts, T = 1 first; 64 new tokens (the target's verify forwards are 60%
-# of the time). EVAL_LIMIT=N evaluates the first N held-out prompts of each set (into eval-lN/).
+# baseline to beat, on the same prompts, T = 1 first; 64 new tokens. EVAL_LIMIT=N evaluates the first N
+# held-out prompts of each set (into eval-lN/).
 EVAL_DIR=$RUN/eval${EVAL_LIMIT:+-l$EVAL_LIMIT}
 mkdir -p "$EVAL_DIR"
 SHIPPED=drafters/smollm2-135m
@@ -61,7 +62,7 @@ for TEMP in 1 0; do
             launch bash -c 'out=$1; shift; "$@" && mv "$out.tmp" "$out"' unit "$OUT" $PY -m mfd_sglang eval --target "$T" \
                 --single "$SINGLE" --mfd "$MFD" --sets "$SET" ${EVAL_LIMIT:+--limit "$EVAL_LIMIT"} \
                 --budgets 8 16 32 64 --max-new-tokens 64 --dtype bfloat16 --temperature "$TEMP" --seed 0 \
-                --batch-size 8 --out "$OUT.tmp"
+                --out "$OUT.tmp"
         done
     done
 done

@@ -1,15 +1,25 @@
-"""Acceptance evaluation on the reference engine: chain vs DDTree (single-mode drafter) vs MFD.
+"""Acceptance evaluation by replay: chain vs DDTree (single-mode drafter) vs MFD, per budget.
 
-For each prompt set, method and budget: mean tau (tokens per verify round) and the speed-up over
-plain autoregressive decoding (greedy) measured in the same run, at temperature T (0: greedy; T > 0:
-the target's law, lossless, each prompt seeded alike for every method). Also:
+Every method emits the same tokens: the target's own continuation of the prompt (greedy at T = 0;
+at T > 0 plain sampling with the coin of (the request's seed, the position), see verify.py). So a
+round's outcome depends only on where it starts: the tree drafted at that committed length and the
+continuation after it. The evaluation therefore decodes each prompt once with the target alone
+(`continue_prompt`, keeping its hidden states), drafts at every position a round can start from
+(`drafts_at_round_starts`), walks each method's tree there against the continuation
+(`round_outcomes`, with verify.py's own `accept_path`), and follows each method's rounds from the
+first start (`walk`). These are the reference engine's rounds, round for round (tests/test_evaluate.py
+holds them equal), for one target decode plus the drafting instead of a verify forward of B + 1
+tokens per round, method and budget. Speed is not measured here (benchmarks/hf_speed.py times the
+engine).
+
+Reported per set, method and budget:
+  - tau: mean tokens per round (accepted draft tokens + the bonus);
   - chimera share of the single-mode tree: a valid node is a chimera when (1) its path is not a
-    prefix of the continuation the run emitted from that root (the target's greedy one at T = 0),
-    (2) every token of the path is the argmax of some MFD mode at its depth, and (3) no single mode's
-    argmax chain holds the whole path, i.e. the path splices two or more modes' futures.
-    Share = chimeras / valid nodes.
+    prefix of the continuation from that root, (2) every token of the path is the argmax of some MFD
+    mode at its depth, and (3) no single mode's argmax chain holds the whole path, i.e. the path
+    splices two or more modes' futures. Share = chimeras / valid nodes;
   - covered mass: the expected number of tree-path tokens a future drawn from the drafter's own
-    mode mixture would match, sum over nodes u of (1/K) sum_k prod_i q_k,i(u_i).
+    mode mixture would match, sum over nodes u of (1/K) sum_k prod_i q_k,i(u_i);
   - mode usage of MFD: the effective number of modes, exp(entropy) of the best modes of accepted
     nodes (K when every mode is used equally, 1 when one mode does all the work).
 """
@@ -19,34 +29,71 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import time
-from collections import Counter
+import sys
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
-from ..drafter import MFDDrafter, context_features
-from ..hf import SamplingParams, SpeculativeGenerator
-from ..tree import DraftTree
+from ..drafter import DraftContext, MFDDrafter, context_features
+from ..tree import DraftTree, build_chain, build_mixture_tree, top_candidates
+from ..tree_layout import with_root
+from ..verify import Sampling, accept_path, sample_from_logits
+
+
+@dataclass
+class Continuation:
+    """A prompt and the target's own continuation of it (ended by an EOS token or the token limit)."""
+
+    prompt_len: int
+    sequence: list[int]  # prompt + continuation
+    hidden_states: tuple[torch.Tensor, ...]  # the target's (HF) hidden states of sequence[:-1], each [1, S, H]
+    # The target's tokens after the end, as the engine's last verify sees them (past an EOS too): a
+    # tree may match them, though its round emits nothing beyond the end.
+    lookahead: list[int] = field(default_factory=list)
+
+    @property
+    def round_starts(self) -> range:
+        """The committed lengths L a round can start from: root sequence[L], and a token left after it."""
+        return range(self.prompt_len, len(self.sequence) - 1)
+
+
+@dataclass
+class RoundOutcome:
+    """What one method's tree, drafted at one round start, does against the continuation."""
+
+    emitted: int  # accepted draft tokens + the bonus, cut at the continuation's end
+    valid_nodes: int
+    accepted_modes: list[int]  # best mode of each accepted node
+    covered_mass: float
+    chimeras: int = 0  # counted for the single-mode tree only
 
 
 @dataclass
 class MethodStats:
     tokens: int = 0
     rounds: int = 0
-    seconds: float = 0.0
     valid_nodes: int = 0
     chimeras: int = 0
     covered_mass: float = 0.0
     accepted_modes: Counter = field(default_factory=Counter)
 
-    def summary(self, ar_tokens_per_second: float | None) -> dict:
+    def add(self, outcome: RoundOutcome) -> None:
+        self.tokens += outcome.emitted
+        self.rounds += 1
+        self.valid_nodes += outcome.valid_nodes
+        self.chimeras += outcome.chimeras
+        self.covered_mass += outcome.covered_mass
+        self.accepted_modes.update(outcome.accepted_modes)
+
+    def summary(self) -> dict:
         usage = sum(self.accepted_modes.values())
         entropy = -sum(c / usage * math.log(c / usage) for c in self.accepted_modes.values()) if usage else 0.0
         return {
             "tau": self.tokens / max(self.rounds, 1),
-            "speedup": self.tokens / self.seconds / ar_tokens_per_second if self.seconds and ar_tokens_per_second else None,
             "covered_mass": self.covered_mass / max(self.rounds, 1),
             "chimera_share": self.chimeras / self.valid_nodes if self.valid_nodes else None,
             "effective_modes": math.exp(entropy),
@@ -75,44 +122,143 @@ def covered_mass(logprobs: torch.Tensor, paths: torch.Tensor, valid: torch.Tenso
     """Expected matched path tokens under the drafter's uniform mode mixture ([K, D, V] log-probs).
 
     to_draft_ids maps target ids to the log-probs' vocabulary, -1 outside it (such a path has mass 0)."""
-    mass = 0.0
-    for path in paths[valid]:
-        depth = int((path >= 0).sum())
-        ids = to_draft_ids(path[:depth])
-        if bool((ids < 0).any()):
-            continue
-        path_logprob = logprobs[:, torch.arange(depth), ids].sum(-1)  # [K]
-        mass += float(path_logprob.exp().mean())
-    return mass
+    on_path = paths >= 0
+    ids = to_draft_ids(paths.clamp(min=0))
+    outside = ((ids < 0) & on_path).any(dim=-1)
+    depth = torch.arange(paths.shape[1], device=paths.device)
+    per_token = logprobs[:, depth[None, :], ids.clamp(min=0)]  # [K, N, depth]
+    path_logprob = torch.where(on_path, per_token, 0.0).sum(dim=-1)  # [K, N]
+    return float(path_logprob.exp().mean(dim=0)[valid & ~outside].sum())
 
 
 def chimera_count(paths: torch.Tensor, valid: torch.Tensor, mode_chains: torch.Tensor, future: list[int]) -> int:
-    """Chimeras among valid nodes (see the module docstring); mode_chains [K, D] MFD argmax tokens."""
-    count = 0
-    for path in paths[valid].tolist():
-        path = [t for t in path if t >= 0]
-        d = len(path)
-        if path == future[:d]:
-            continue
-        chains = mode_chains[:, :d].tolist()
-        on_some_mode = all(any(chain[i] == path[i] for chain in chains) for i in range(d))
-        on_one_mode = any(chain == path for chain in chains)
-        count += on_some_mode and not on_one_mode
-    return count
+    """Chimeras among valid nodes (see the module docstring); mode_chains [K, >= depth] MFD argmax tokens."""
+    on_path = paths >= 0  # [N, depth]
+    depth = paths.shape[1]
+    hits = paths[None] == mode_chains[:, None, :depth]  # [K, N, depth]
+    on_some_mode = (hits.any(dim=0) | ~on_path).all(dim=-1)
+    on_one_mode = (hits | ~on_path).all(dim=-1).any(dim=0)
+    prefix = torch.full((depth,), -1, dtype=paths.dtype, device=paths.device)
+    prefix[: min(depth, len(future))] = torch.tensor(future[:depth], dtype=paths.dtype, device=paths.device)
+    on_future = ((paths == prefix) | ~on_path).all(dim=-1)
+    return int((valid & ~on_future & on_some_mode & ~on_one_mode).sum())
 
 
 @torch.inference_mode()
-def mode_argmax_chains(engine: SpeculativeGenerator, sequence: list[int], lengths: list[int]) -> torch.Tensor:
-    """[rounds, K, D] argmax tokens of every MFD mode at the given committed lengths of a sequence."""
-    drafter, device = engine.drafter, engine.device
+def continue_prompt(target, prompt: list[int], max_new: int, eos: set[int],
+                    sampling: Sampling | None = None, lookahead: int = 0) -> Continuation:
+    """Plain decoding of the target (KV cache, batch 1): greedy, or one draw per token with the coin of
+    (sampling.seeds[0], the position before it) under sampling's law, as the engine draws every token.
+    The continuation ends after an `eos` token or max_new tokens; `lookahead` more tokens follow."""
+    device = next(target.parameters()).device
+    cache = DynamicCache(config=target.config)
+    sequence, steps = list(prompt), []
+    end = None
     ids = torch.tensor([sequence], device=device)
-    features = context_features(engine.target(ids, output_hidden_states=True).hidden_states, drafter.cfg.target_layer_ids)
-    n, width = len(lengths), len(sequence)
-    slots = torch.arange(width, device=device)[None].expand(n, -1)
-    length = torch.tensor(lengths, device=device)[:, None]
-    context = drafter.context_kv(features.expand(n, -1, -1), slots, slots < length)
-    logprobs = engine.draft_blocks(ids[0, length[:, 0]], length[:, 0], context)
-    return drafter.to_target_ids(logprobs.argmax(-1))
+    while end is None or len(sequence) < end + lookahead:
+        out = target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        steps.append(out.hidden_states)
+        logits = out.logits[:, -1].float()
+        if sampling is None:
+            token = int(logits.argmax())
+        else:
+            token = int(sample_from_logits(logits, sampling, torch.tensor([len(sequence) - 1], device=device)))
+        sequence.append(token)
+        if end is None and (len(sequence) - len(prompt) >= max_new or token in eos):
+            end = len(sequence)
+        ids = torch.tensor([[token]], device=device)
+    hidden = tuple(torch.cat(layer, dim=1)[:, : end - 1] for layer in zip(*steps))
+    return Continuation(len(prompt), sequence[:end], hidden, sequence[end:])
+
+
+def one_request_sampling(temperature: float, seed: int, device) -> Sampling:
+    """A single request's sampling settings: temperature alone (no top-k / top-p / min-p)."""
+    def one(value, dtype=None):
+        return torch.tensor([value], dtype=dtype, device=device)
+
+    return Sampling(one(temperature), one(0), one(1.0), one(0.0), one(seed, torch.int64))
+
+
+@torch.inference_mode()
+def drafts_at_round_starts(target, drafter: MFDDrafter, cont: Continuation, *, single_mode: bool,
+                           chunk: int = 16):
+    """Yields (starts [n], log-probs [n, K', D, Vd]) over the continuation's round starts, `chunk` at a
+    time: the block the drafter writes at committed length L, over the context of sequence[:L], as the
+    engine drafts it (the context's keys and values are computed once and masked per start)."""
+    device = next(target.parameters()).device
+    features = context_features(cont.hidden_states, drafter.cfg.target_layer_ids)
+    slots = torch.arange(features.shape[1], device=device)[None]
+    context = drafter.context_kv(features, slots)
+    sequence = torch.tensor(cont.sequence, device=device)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    starts_all = torch.tensor(cont.round_starts, device=device)
+    for starts in starts_all.split(chunk):
+        n = starts.shape[0]
+        masked = DraftContext([k.expand(n, -1, -1, -1) for k in context.keys],
+                              [v.expand(n, -1, -1, -1) for v in context.values],
+                              slots.expand(n, -1), slots < starts[:, None])
+        yield starts, drafter.block_logprobs(sequence[starts], starts, masked, embed, head, single_mode=single_mode)
+
+
+def round_outcomes(tree: DraftTree, logprobs: torch.Tensor, starts: torch.Tensor, cont: Continuation,
+                   drafter: MFDDrafter, mode_chains: torch.Tensor | None = None) -> list[RoundOutcome]:
+    """Each row's outcome: tree [n, N] (target ids) drafted from log-probs [n, K', D, Vd] at round starts
+    [n]. A node at depth d is matched against the continuation's token d + 1 places after the root,
+    exactly what the target draws there; mode_chains [n, K, D]: count chimeras against them."""
+    width = int(tree.depths.max()) + 1  # the root's token and one per depth
+    sequence = torch.tensor(cont.sequence + cont.lookahead + [-1] * width, device=starts.device)
+    futures = sequence[starts[:, None] + 1 + torch.arange(width, device=starts.device)]  # -1 past the end
+    result = accept_path(tree, futures.gather(1, with_root(0, tree.depths)))
+    outcomes = []
+    for row, start in enumerate(starts.tolist()):
+        local = result.accepted_local_indices[row]
+        paths, valid = node_paths(tree, row), tree.valid[row]
+        future = cont.sequence[start + 1:]
+        outcomes.append(RoundOutcome(
+            emitted=min(int(result.accept_lens[row]), len(future)),
+            valid_nodes=int(valid.sum()),
+            accepted_modes=tree.modes[row, local[local >= 0] - 1].tolist(),
+            covered_mass=covered_mass(logprobs[row], paths, valid, drafter.to_draft_ids),
+            chimeras=0 if mode_chains is None else chimera_count(paths, valid, mode_chains[row], future)))
+    return outcomes
+
+
+def walk(outcomes: dict[int, RoundOutcome], cont: Continuation) -> list[RoundOutcome]:
+    """A method's rounds: from the first start, each round's outcome says where the next one starts."""
+    rounds, length = [], cont.prompt_len
+    while length in outcomes:
+        rounds.append(outcomes[length])
+        length += outcomes[length].emitted
+    return rounds
+
+
+def prompt_outcomes(target, single: MFDDrafter, mfd: MFDDrafter, cont: Continuation,
+                    budgets: list[int]) -> dict[tuple[str, str], dict[int, RoundOutcome]]:
+    """{(method, budget): {round start: outcome}} of the chain and DDTree (the single-mode drafter's
+    default path) and MFD at every budget, over one continuation."""
+    def target_tree(drafter: MFDDrafter, tree: DraftTree) -> DraftTree:
+        tree.tokens = drafter.to_target_ids(tree.tokens)
+        return tree
+
+    cells: dict = defaultdict(dict)
+    chains = {}
+    for starts, logprobs in drafts_at_round_starts(target, mfd, cont, single_mode=False):
+        chains.update(zip(starts.tolist(), mfd.to_target_ids(logprobs.argmax(dim=-1))))
+        candidates = top_candidates(logprobs, max(budgets))  # one vocabulary sort for every budget's tree
+        for budget in budgets:
+            tree = target_tree(mfd, build_mixture_tree(candidates, budget))
+            cells["mfd", str(budget)].update(zip(starts.tolist(), round_outcomes(tree, logprobs, starts, cont, mfd)))
+    for starts, logprobs in drafts_at_round_starts(target, single, cont, single_mode=True):
+        chain = target_tree(single, build_chain(logprobs))
+        cells["chain", str(single.cfg.block_size - 1)].update(
+            zip(starts.tolist(), round_outcomes(chain, logprobs, starts, cont, single)))
+        mode_chains = torch.stack([chains[s] for s in starts.tolist()])
+        candidates = top_candidates(logprobs, max(budgets))
+        for budget in budgets:
+            tree = target_tree(single, build_mixture_tree(candidates, budget))
+            cells["ddtree", str(budget)].update(
+                zip(starts.tolist(), round_outcomes(tree, logprobs, starts, cont, single, mode_chains)))
+    return cells
 
 
 def load_inputs(target_path, single_path, mfd_path, dtype: torch.dtype, sets: list[str] | None = None,
@@ -148,86 +294,40 @@ def load_inputs(target_path, single_path, mfd_path, dtype: torch.dtype, sets: li
     return target, drafters, prompt_sets, eos_token_ids(tokenizer, target.config)
 
 
-def run_method(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: int, eos: set[int],
-               chimera_reference: SpeculativeGenerator | None = None,
-               params: SamplingParams | None = None, batch_size: int = 1) -> tuple[MethodStats, list[list[int]]]:
-    """Generate every prompt (batch_size at a time, timed) and gather the statistics."""
-    stats = MethodStats()
-    outputs = []
-    for first in range(0, len(prompts), batch_size):
-        batch = prompts[first : first + batch_size]
-        rounds = [[] for _ in batch]  # per row: (committed length, node paths, valid) of each round
-
-        def on_round(row, length, logprobs, tree, result):
-            paths = node_paths(tree, row)
-            valid = tree.valid[row]
-            rounds[row].append((length, paths, valid))
-            stats.valid_nodes += int(valid.sum())
-            stats.covered_mass += covered_mass(logprobs[row], paths, valid, engine.drafter.to_draft_ids)
-            local = result.accepted_local_indices[row]
-            stats.accepted_modes.update(tree.modes[row, local[local >= 0] - 1].tolist())
-
-        start = time.perf_counter()
-        outs = engine.generate_batch(batch, max_new, params=params, eos_token_ids=eos, on_round=on_round)
-        stats.seconds += time.perf_counter() - start
-        for ids, out, row_rounds in zip(batch, outs, rounds):
-            stats.tokens += sum(r.emitted for r in out.rounds)
-            stats.rounds += len(out.rounds)
-            outputs.append(out.token_ids)
-            if chimera_reference is not None and row_rounds:
-                sequence = list(ids) + out.token_ids
-                chains = mode_argmax_chains(chimera_reference, sequence, [length for length, _, _ in row_rounds])
-                for (length, paths, valid), mode_chains in zip(row_rounds, chains):
-                    stats.chimeras += chimera_count(paths, valid, mode_chains, sequence[length + 1:])
-    return stats, outputs
-
-
-def ar_tokens_per_second(engine: SpeculativeGenerator, prompts: list[list[int]], max_new: int, eos: set[int]) -> float:
-    """Plain greedy decoding speed of the engine's target over the prompts (batch 1): the baseline."""
-    start = time.perf_counter()
-    tokens = sum(len(engine.autoregressive(ids, max_new, eos)) for ids in prompts)
-    return tokens / (time.perf_counter() - start)
-
-
 def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str, list[list[int]]],
              budgets: list[int], max_new: int, eos: set[int], log=print, temperature: float = 0.0,
-             seed: int = 0, batch_size: int = 1) -> dict:
-    """Every set x method x budget; returns {set: {method: {budget: summary}}} plus the AR baseline.
-    temperature > 0 samples every method with the same seed. batch_size > 1 generates that many prompts
-    at once (acceptance only: the speed-ups, measured at batch 1, are None and AR is not run)."""
-    params = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else None
+             seed: int = 0) -> dict:
+    """Every set x method x budget: {set: {"prompts": n, method: {budget: summary}}}. At temperature > 0
+    prompt i of a set is sampled with seed + i (the same continuation for every method)."""
     results: dict = {}
+    device = next(target.parameters()).device
+    depth = max(single.cfg.block_size, mfd.cfg.block_size) - 1  # the deepest tree node
     for name, prompts in prompt_sets.items():
-        # The single-mode drafter always drafts its default path (its only mode when K = 1).
-        chain = SpeculativeGenerator(target, single, tree="chain", single_mode=True)
-        ar_tps = ar_tokens_per_second(chain, prompts, max_new, eos) if batch_size == 1 else None
-        set_results = {"ar_tokens_per_second": ar_tps, "prompts": len(prompts)}
-        stats, _ = run_method(chain, prompts, max_new, eos, params=params, batch_size=batch_size)
-        set_results["chain"] = {str(single.cfg.block_size - 1): stats.summary(ar_tps)}
-        mfd_reference = SpeculativeGenerator(target, mfd)
-        for method, drafter in (("ddtree", single), ("mfd", mfd)):
-            set_results[method] = {}
-            for budget in budgets:
-                engine = SpeculativeGenerator(target, drafter, budget=budget, single_mode=method == "ddtree")
-                stats, _ = run_method(engine, prompts, max_new, eos, params=params, batch_size=batch_size,
-                                      chimera_reference=mfd_reference if method == "ddtree" else None)
-                set_results[method][str(budget)] = stats.summary(ar_tps)
-                log(f"  {name:<6} {method:<7} B={budget:<4} tau {set_results[method][str(budget)]['tau']:.2f}")
+        stats: dict = defaultdict(MethodStats)
+        for i, prompt in enumerate(tqdm(prompts, desc=f"eval {name}", unit="prompt", file=sys.stderr)):
+            sampling = one_request_sampling(temperature, seed + i, device) if temperature > 0 else None
+            cont = continue_prompt(target, prompt, max_new, eos, sampling, lookahead=depth)
+            for cell, outcomes in prompt_outcomes(target, single, mfd, cont, budgets).items():
+                for outcome in walk(outcomes, cont):
+                    stats[cell].add(outcome)
+        set_results: dict = {"prompts": len(prompts), "chain": {}, "ddtree": {}, "mfd": {}}
+        chain_budget = str(single.cfg.block_size - 1)
+        for method, budget in [("chain", chain_budget)] + [(m, str(b)) for m in ("ddtree", "mfd") for b in budgets]:
+            set_results[method][budget] = stats[method, budget].summary()
+            log(f"  {name:<6} {method:<7} B={budget:<4} tau {set_results[method][budget]['tau']:.2f}")
         results[name] = set_results
     return results
 
 
 def format_table(results: dict, budgets: list[int]) -> str:
-    """tau (speed-up, when measured) per set, method and budget; chimera share and effective modes below
-    each set."""
+    """tau per set, method and budget; chimera share and effective modes below each set."""
     w = max(len(name) for name in results) + 2
 
     def row(label: str, method: str, cells: list[str]) -> str:
         return f"{label:<{w}}{method:<9}" + "".join(f"{c:>16}" for c in cells)
 
     def cell(summary: dict) -> str:
-        speedup = summary["speedup"]
-        return f"{summary['tau']:.2f}" + ("" if speedup is None else f" ({speedup:.2f}x)")
+        return f"{summary['tau']:.2f}"
 
     lines = [row("set", "method", [f"B={b}" for b in budgets])]
     for name, per_set in results.items():
@@ -242,8 +342,7 @@ def format_table(results: dict, budgets: list[int]) -> str:
 
 
 def plot(results: dict, budgets: list[int], path: Path) -> None:
-    """Speed-up over autoregressive decoding (tau when speed-ups were not measured) against the budget,
-    one line per method (mean over sets)."""
+    """tau against the budget, one line per method (mean over sets)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,16 +350,15 @@ def plot(results: dict, budgets: list[int], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     sets = list(results.values())
-    metric = "tau" if next(iter(sets[0]["chain"].values()))["speedup"] is None else "speedup"
-    chain = sum(next(iter(s["chain"].values()))[metric] for s in sets) / len(sets)
+    chain = sum(next(iter(s["chain"].values()))["tau"] for s in sets) / len(sets)
     ax.plot(budgets, [chain] * len(budgets), "--", label="DFlash chain", color="gray")
     for method, label in (("ddtree", "DDTree (single-mode)"), ("mfd", "MFD")):
-        ax.plot(budgets, [sum(s[method][str(b)][metric] for s in sets) / len(sets) for b in budgets],
+        ax.plot(budgets, [sum(s[method][str(b)]["tau"] for s in sets) / len(sets) for b in budgets],
                 marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.set_xlabel("tree budget B")
-    ax.set_ylabel("speed-up over autoregressive" if metric == "speedup" else "tau (tokens per round)")
+    ax.set_ylabel("tau (tokens per round)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
