@@ -1,9 +1,9 @@
 """Acceptance over prompt sets, from the JSONs of `python -m mfd_sglang eval` written one per drafter
 pair, temperature and set (`scripts/train_smollm2_drafters.sh` names them PAIR-T<T>-SET.json): per pair,
 T and budget, the mean over sets of tau (chain, DDTree, MFD), MFD / DDTree, DDTree's chimera share and
-MFD's effective modes, as a markdown table.
+MFD's effective modes, as a markdown table; `--plot` draws tau and the chimera share against the budget.
 
-    python benchmarks/acceptance_summary.py runs/smollm2-v2/eval/*.json --markdown summary.md
+    python benchmarks/acceptance_summary.py runs/smollm2-v2/eval/*.json --markdown summary.md --plot summary.png
 
 A pair's row says which sets and how many prompts it covers (a group still being evaluated has fewer).
 """
@@ -70,16 +70,59 @@ def markdown(groups: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(groups: dict, path: Path) -> None:
+    """One column per temperature: tau of DDTree (dashed) and MFD (solid) per pair above, DDTree's
+    chimera share below, against the budget (means over sets)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({t for _, t in groups})
+    fig, axes = plt.subplots(2, len(temperatures), figsize=(5 * len(temperatures), 6.5), squeeze=False, sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    pairs = sorted({pair for pair, _ in groups})
+    for column, temperature in enumerate(temperatures):
+        tau_ax, share_ax = axes[0, column], axes[1, column]
+        for pair in pairs:
+            if (pair, temperature) not in groups:
+                continue
+            summary = summarize(groups[pair, temperature])
+            budgets = sorted(summary["budgets"])
+            color = colors[pairs.index(pair) % len(colors)]
+            row = [summary["budgets"][b] for b in budgets]
+            tau_ax.plot(budgets, [r["ddtree"] for r in row], "--", marker="o", color=color, label=f"{pair}: DDTree")
+            tau_ax.plot(budgets, [r["mfd"] for r in row], "-", marker="o", color=color, label=f"{pair}: MFD")
+            share_ax.plot(budgets, [r["chimera_share"] for r in row], "--", marker="o", color=color, label=pair)
+        tau_ax.set_title(f"T = {temperature:g}, mean over sets")
+        tau_ax.set_ylabel("tau (tokens per round)")
+        share_ax.set_ylabel("DDTree chimera share")
+        share_ax.set_xlabel("tree budget B")
+        for ax in (tau_ax, share_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.grid(alpha=0.3)
+        tau_ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path, help="eval JSONs (PAIR-T<T>-SET.json)")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
+    parser.add_argument("--plot", type=Path, help="also write the tau and chimera-share plot here (PNG)")
     args = parser.parse_args()
-    table = markdown(group_results(args.files))
+    groups = group_results(args.files)
+    table = markdown(groups)
     print(table)
     if args.markdown:
         args.markdown.write_text(table + "\n")
+    if args.plot:
+        plot(groups, args.plot)
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ def eval_json(path: Path, temperature: float, sets: dict, budgets=(8, 16)) -> Pa
 
 
 def test_acceptance_summary_means_over_sets_per_pair_and_temperature(tmp_path):
-    from acceptance_summary import group_results, markdown, summarize
+    from acceptance_summary import group_results, markdown, plot, summarize
 
     files = [
         eval_json(tmp_path / "mfd4-T1-code.json", 1, {"code": (3, 1.5, {8: (2.0, 3.0), 16: (2.0, 2.0)})}),
@@ -231,6 +231,8 @@ def test_acceptance_summary_means_over_sets_per_pair_and_temperature(tmp_path):
     table = markdown(groups)
     assert "| mfd4 | 1 | code,chat (8) | chain tau | 2.000 (any budget) |" in table
     assert "| | | | MFD / DDTree | 1.000x | 1.667x |" in table
+    plot(groups, tmp_path / "summary.png")
+    assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_acceptance_summary_refuses_different_budgets_in_one_group(tmp_path):
