@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; > 0: sampled with the target's law (prompt i with seed + i, for every method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at --temperature > 0")
-    p.add_argument("--out", help="write the results as JSON here (e.g. benchmarks/results/acceptance-smollm2.json)")
+    p.add_argument("--out", help="write the results as JSON here (e.g. runs/eval/mfd4-T1-code.json)")
     p.add_argument("--plot", help="write a tau vs budget PNG here")
     p.set_defaults(func=_eval)
 
