@@ -18,9 +18,8 @@ import datetime as dt
 import json
 import platform
 import sys
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm

@@ -111,6 +111,17 @@ def plain_greedy(model, input_ids: list[int], max_new_tokens: int, eos: Iterable
     return out
 
 
+def batch_sampling(bs: int, params: SamplingParams, device) -> Sampling:
+    """The `Sampling` of bs rows under params: one stream per row, seed + row, else fresh random seeds
+    (torch's global generator)."""
+    rows = torch.arange(bs, device=device)
+    seeds = random_seeds(bs, device) if params.seed is None else params.seed + rows
+    return Sampling(torch.full((bs,), params.temperature, device=device),
+                    torch.full((bs,), params.top_k, device=device),
+                    torch.full((bs,), params.top_p, device=device),
+                    torch.full((bs,), params.min_p, device=device), seeds)
+
+
 def eos_token_ids(tokenizer, config) -> set[int]:
     """The tokenizer's EOS plus every EOS id in the model config (which may list several)."""
     ids = config.eos_token_id
@@ -164,7 +175,7 @@ class SpeculativeGenerator:
         out = self.target(ids, position_ids=slots[None].expand(len(prompts), -1),
                           attention_mask=additive_mask(causal & valid[:, None, :], self.dtype),
                           past_key_values=cache, use_cache=True, output_hidden_states=True)
-        sampling = None if params.greedy else self._sampling(len(prompts), params)
+        sampling = None if params.greedy else batch_sampling(len(prompts), params, self.device)
         last_logits = out.logits[torch.arange(len(prompts)), lengths - 1]
         if sampling is None:
             roots = last_logits.argmax(-1)
@@ -173,15 +184,6 @@ class SpeculativeGenerator:
         features = context_features(out.hidden_states, self.layer_ids)
         context = self.drafter.context_kv(features, slots[None].expand(len(prompts), -1), valid)
         return _State(cache, context, lengths, roots, sampling)
-
-    def _sampling(self, bs: int, params: SamplingParams) -> Sampling:
-        # One stream per row: seed + row, else fresh random seeds (torch's global generator).
-        rows = torch.arange(bs, device=self.device)
-        seeds = random_seeds(bs, self.device) if params.seed is None else params.seed + rows
-        return Sampling(torch.full((bs,), params.temperature, device=self.device),
-                        torch.full((bs,), params.top_k, device=self.device),
-                        torch.full((bs,), params.top_p, device=self.device),
-                        torch.full((bs,), params.min_p, device=self.device), seeds)
 
     # --- the four stages ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -13,8 +13,8 @@ import torch
 
 from mfd_sglang.cli import main
 from mfd_sglang.lab.evaluate import (Continuation, MethodStats, chimera_count, continue_prompt, covered_mass,
-                                     node_paths, one_request_sampling, prompt_outcomes, round_outcomes, walk)
-from mfd_sglang.hf import SamplingParams, SpeculativeGenerator, eos_token_ids
+                                     node_paths, prompt_outcomes, round_outcomes, walk)
+from mfd_sglang.hf import SamplingParams, SpeculativeGenerator, batch_sampling, eos_token_ids
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 
 BUDGETS = (4, 16)
@@ -50,13 +50,13 @@ def test_replay_gives_the_engine_rounds(tiny_pair, tiny_dflash_drafter, temperat
     eos = eos_token_ids(tokenizer, chain.target.config)
     compared = 0
     for i, prompt in enumerate(prompts):
-        sampling = one_request_sampling(temperature, 5 + i, "cpu") if temperature > 0 else None
+        params = SamplingParams(temperature=temperature, seed=5 + i)
+        sampling = None if params.greedy else batch_sampling(1, params, "cpu")
         cont = continue_prompt(chain.target, prompt, 24, eos, sampling, lookahead=7)
         outcomes = prompt_outcomes(chain.target, chain.drafter, cells["mfd", "4"].drafter, cont, list(BUDGETS))
         assert set(outcomes) == set(cells)
         for cell, engine in cells.items():
-            out = engine.generate(prompt, 24, params=SamplingParams(temperature=temperature, seed=5 + i),
-                                  eos_token_ids=eos)
+            out = engine.generate(prompt, 24, params=params, eos_token_ids=eos)
             assert cont.sequence[len(prompt):] == out.token_ids, cell
             replayed = walk(outcomes[cell], cont)
             assert [(r.emitted, r.accepted_modes) for r in replayed] == \

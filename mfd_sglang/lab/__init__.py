@@ -6,7 +6,8 @@
 - ``train``: DFlash-style block training with K modes (D-PACE, winner-take-all modes, resumable);
 - ``tiny``: make-tiny, a small target + drafter pair that agree (tests, demos);
 - ``multimodal``: make-multimodal, a universe with known futures, MFD against the exact ceiling;
-- ``evaluate``: acceptance of chain / DDTree / MFD per budget on held-out prompts (replayed against the target's own continuation).
+- ``evaluate``: acceptance of chain / DDTree / MFD per budget on held-out prompts (replayed against
+  the target's own continuation).
 
 Imports run one way: tiny -> train -> train_data -> prompts; multimodal and evaluate sit on top.
 """

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..drafter import DraftContext, MFDDrafter, context_features
+from ..hf import SamplingParams, batch_sampling
 from ..tree import DraftTree, build_chain, build_mixture_tree, top_candidates
 from ..tree_layout import with_root
 from ..verify import Sampling, accept_path, sample_from_logits
@@ -171,14 +172,6 @@ def continue_prompt(target, prompt: list[int], max_new: int, eos: set[int],
     return Continuation(len(prompt), sequence[:end], hidden, sequence[end:])
 
 
-def one_request_sampling(temperature: float, seed: int, device) -> Sampling:
-    """A single request's sampling settings: temperature alone (no top-k / top-p / min-p)."""
-    def one(value, dtype=None):
-        return torch.tensor([value], dtype=dtype, device=device)
-
-    return Sampling(one(temperature), one(0), one(1.0), one(0.0), one(seed, torch.int64))
-
-
 @torch.inference_mode()
 def drafts_at_round_starts(target, drafter: MFDDrafter, cont: Continuation, *, single_mode: bool,
                            chunk: int = 16):
@@ -305,7 +298,8 @@ def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str,
     for name, prompts in prompt_sets.items():
         stats: dict = defaultdict(MethodStats)
         for i, prompt in enumerate(tqdm(prompts, desc=f"eval {name}", unit="prompt", file=sys.stderr)):
-            sampling = one_request_sampling(temperature, seed + i, device) if temperature > 0 else None
+            params = SamplingParams(temperature=temperature, seed=seed + i)
+            sampling = None if params.greedy else batch_sampling(1, params, device)
             cont = continue_prompt(target, prompt, max_new, eos, sampling, lookahead=depth)
             for cell, outcomes in prompt_outcomes(target, single, mfd, cont, budgets).items():
                 for outcome in walk(outcomes, cont):
