@@ -11,7 +11,7 @@
 # three sets (1005). A 2-layer single-mode base, then the same extra steps for a single-mode drafter,
 # an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
 # data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and
-# of today's shipped pair, on ALL held-out prompts (239: 32 code, 14 chat, 193 math), T = 0 and T = 1,
+# of the shipped pair (drafters/smollm2-135m), on ALL held-out prompts (239: 32 code, 14 chat, 193 math), T = 0 and T = 1,
 # B = 8..64: one JSON per (pair, T, set) in OUT/eval/, a finished one skipped. The evaluation replays
 # every method against the target's own continuation (`mfd_sglang eval`), 5-10 core-seconds per prompt
 # and pair; run it under `nice` beside other work (and run a copy: bash reads a script as it goes, so
@@ -47,7 +47,7 @@ for STAGE in dflash:1 mfd4:4 mfd8:8; do
         --num-modes "${STAGE#*:}" --steps "$EXTRA_STEPS"
 done
 finish
-# Evaluation: each new MFD drafter against the new single-mode one, and today's shipped pair as the
+# Evaluation: each new MFD drafter against the new single-mode one, and the shipped pair as the
 # baseline to beat, on the same prompts, T = 1 first; 64 new tokens. EVAL_LIMIT=N evaluates the first N
 # held-out prompts of each set (into eval-lN/).
 EVAL_DIR=$RUN/eval${EVAL_LIMIT:+-l$EVAL_LIMIT}
