@@ -16,9 +16,8 @@ Scaled for 2 CPU cores, sizes only (every assertion is the kit's own):
   runs only with MFD_SGLANG_ALL_KITS=1.
 Acceptance-length thresholds (`acc_length_thres`, `batch_accept_len_thres`) are meant for large GPU
 drafters (3.1, 1.75); here they are set below what the shipped drafter reaches on the kit's prompts (raw
-text, while the drafter was trained on chat-templated answers): measured 1.31 for one request and 1.75 for
-the batch of four on MFD_D with the drafters of 2026-12-02 (1.23 / 1.25 on MFD / MFD_D and 1.48 on MFD
-with the previous pair).
+text, while the drafter was trained on chat-templated answers): measured 1.33 (MFD) and 1.31 (MFD_D) for
+one request, 1.78 (MFD) and 1.75 (MFD_D) for the batch of four, with the drafters of 2026-12-02.
 
 The test suite runs the kits on MFD_D (about 5 minutes on 2 cores); MFD_SGLANG_ALL_KITS=1 adds the plain
 server and MFD (about 12 minutes more) and the 8k-token prompt.
@@ -97,8 +96,8 @@ class KitServer(SpecEagleServerBase):
     abort_all_max_new_tokens = 4000  # the kit's 16000 is beyond SmolLM2's context (8192)
     # Set below what the shipped drafter reaches on the kit's prompts (see the module docstring); the kit's
     # defaults (3.1, 1.75) are for large GPU drafters.
-    acc_length_thres = 1.15
-    batch_accept_len_thres = 1.3
+    acc_length_thres = 1.2
+    batch_accept_len_thres = 1.5
 
     @classmethod
     def setUpClass(cls):
