@@ -8,15 +8,15 @@
 #   RUN_DIR=runs/smollm2-v2 bash scripts/train_smollm2_drafters.sh
 #
 # Data: the target's greedy answers (up to 256 tokens, chat template) to EVERY training prompt of the
-# three sets (1005). A 2-layer single-mode base, then the same extra steps for a single-mode drafter,
-# an MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same
-# data, same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and
-# of the shipped pair (drafters/smollm2-135m), on ALL held-out prompts (239: 32 code, 14 chat, 193 math), T = 0 and T = 1,
-# B = 8..64: one JSON per (pair, T, set) in OUT/eval/, a finished one skipped. The evaluation replays
-# every method against the target's own continuation (`mfd_sglang eval`), 5-10 core-seconds per prompt
-# and pair; run it under `nice` beside other work (and run a copy: bash reads a script as it goes, so
-# editing this file under a running instance makes it read the wrong lines). JOBS (default 2) stages or
-# units run at once.
+# three sets (1005). A 2-layer single-mode base, then the same extra steps for a single-mode drafter, an
+# MFD drafter with K = 4 and one with K = 8, all from that base, so the comparison is fair (same data,
+# same steps). Then the acceptance evaluation of each MFD drafter against the single-mode one, and of
+# the shipped pair (drafters/smollm2-135m), on ALL held-out prompts (239: 32 code, 14 chat, 193 math),
+# T = 0 and T = 1, B = 8..64: one JSON per (pair, T, set) in OUT/eval/, a finished one skipped. The
+# evaluation replays every method against the target's own continuation (`mfd_sglang eval`), 5-10
+# core-seconds per prompt and pair; run it under `nice` beside other work (and run a copy: bash reads a
+# script as it goes, so editing this file under a running instance makes it read the wrong lines). JOBS
+# (default 2) stages or units run at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
