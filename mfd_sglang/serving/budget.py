@@ -1,5 +1,6 @@
 """The automatic tree budget (MFD_SGLANG_AUTO_BUDGET=1): for each decode batch, the drafting path and
-budget that commit the most tokens per second, from acceptance and cost measured while serving.
+budget that commit the most tokens per second, from acceptance and cost measured while serving and
+costs calibrated at start-up.
 
 Arms. An arm is (path, budget): budget from `candidate_budgets` (0, 4, 8, 16, ... up to the launch
 budget B, which is always one), where budget 0 is plain decoding (no draft: only the root is verified,
@@ -14,21 +15,27 @@ budget b'). It does not depend on the batch size (a request's acceptance is its 
 Cost, per (batch-size bucket, arm): seconds per round, a decayed mean of the time from one decode
 round's start to the next's (`RoundClock`): the scheduler's share and, under overlap scheduling, the
 pipeline's pace are in it, and it needs no device sync. Buckets are powers of two (bs 3 counts as 4).
+Before an arm is timed at a bucket, its cost is estimated from the start-up calibration
+(`calibration`: its draft + verify on placeholder requests) plus the bucket's overhead, the mean
+amount by which the arms timed there cost more than calibrated (0 until one is timed).
 
 Choice, per round: the arm with the most tokens per request per second, tokens(path, b) /
 seconds(bucket, arm), optimistic where a value is missing:
   - acceptance of a path measured on fewer than `min_requests` request-rounds: play that path's largest
     budget (one round measures every budget of the path);
   - cost of an arm never timed at this bucket: bounded below by the dearest timed arm of the same
-    path and a smaller budget (a bigger tree costs no less), by plain decoding's, and by plain
-    decoding's times the arm's cost over plain decoding's at the nearest smaller bucket where both are
-    timed, less `ratio_slack` for noise (a bigger batch does not make a tree relatively cheaper: the
-    verify window grows with it while plain decoding's one token does not); the arm is played when that
-    bound could beat the best timed arm, so only arms that might win are explored, and a new bucket
-    does not replay the dear arms the smaller ones already ruled out;
-  - a probe round plays the next larger budget of the chosen path (or the smallest drafted one after
-    plain decoding) once, so that acceptance and cost above the choice stay current as requests and
-    lengths change: `probe_every` rounds after the choice changed, then at twice the last interval
+    path and a smaller budget (a bigger tree costs no less), by plain decoding's, by plain decoding's
+    times the arm's cost over plain decoding's at the nearest smaller bucket where both are timed, and
+    by the calibrated estimate, the last two less `ratio_slack` for noise (a bigger batch does not make
+    a tree relatively cheaper: the verify window grows with it while plain decoding's one token does
+    not); the arm is played when that bound could beat the best timed arm, so only arms that might win
+    are explored, a new bucket does not replay the dear arms the smaller ones already ruled out, and
+    with a calibration its first rounds play the arm calibrated best instead of timing each in turn;
+  - a probe round plays a neighbour of the chosen arm once, the neighbours in turn (`probes`: the next
+    larger budget of its path, or after plain decoding the smallest drafted budget of each path, and
+    MFD_D's other path at the same budget), so that acceptance and cost around the choice stay current
+    as requests and lengths change (a path's acceptance is measured only by its own rounds):
+    `probe_every` rounds after the choice changed, then at twice the last interval
     (up to `max_probe_interval`) while it holds, so a settled choice pays little for its probes; a
     probe arm measured (or, untimed, bounded) at under `probe_floor` of the choice's value is not played
     (its acceptance would have to grow by that factor to matter).
@@ -98,16 +105,18 @@ class BudgetChooser:
     budgets: tuple[int, ...] = field(init=False)
     acceptance: dict[tuple[bool, int], DecayedMean] = field(init=False)
     costs: dict[tuple[int, Arm], DecayedMean] = field(init=False)
+    calibrated: dict[tuple[int, Arm], float] = field(init=False)  # start-up seconds (`calibration`)
     rounds: dict[int, int] = field(init=False)
     chosen: dict[int, Arm] = field(init=False)
     explored: set[tuple[int, Arm]] = field(init=False)
     next_probe: dict[int, tuple[int, int]] = field(init=False)  # bucket: (round of the next probe, interval)
+    probe_turns: dict[int, int] = field(init=False)  # bucket: probe rounds played (which neighbour is next)
 
     def __post_init__(self) -> None:
         self.budgets = candidate_budgets(self.max_budget)
         self.acceptance = {}
-        self.costs, self.rounds, self.chosen, self.explored = {}, {}, {}, set()
-        self.next_probe = {}
+        self.costs, self.calibrated, self.rounds, self.chosen, self.explored = {}, {}, {}, {}, set()
+        self.next_probe, self.probe_turns = {}, {}
 
     @property
     def arms(self) -> list[Arm]:
@@ -122,6 +131,10 @@ class BudgetChooser:
             key = PLAIN if b == 0 else (path, b)
             mean = self.acceptance.setdefault(key, DecayedMean(self.acceptance_decay))
             mean.update(float(sum(row[i] for row in committed)), len(committed))
+
+    def calibrate(self, costs: dict[tuple[int, Arm], float]) -> None:
+        """Start-up seconds of (bucket, arm)'s draft + verify (`calibration.calibrate_round_costs`)."""
+        self.calibrated = dict(costs)
 
     def record_round_time(self, bs: int, arm: Arm, seconds: float) -> None:
         self.costs.setdefault((batch_bucket(bs), arm), DecayedMean(self.cost_decay)).update(seconds, 1)
@@ -141,14 +154,27 @@ class BudgetChooser:
         mean = self.costs.get((bucket, arm))
         return None if mean is None or mean.samples < self.min_timings else mean.value
 
+    def estimate(self, bucket: int, arm: Arm) -> float | None:
+        """The calibrated cost plus the bucket's overhead: the mean of timed minus calibrated cost over
+        the arms timed at the bucket (what calibration leaves out: the scheduler, accept, commit)."""
+        calibrated = self.calibrated.get((bucket, arm))
+        if calibrated is None:
+            return None
+        overheads = [self.cost(bucket, a) - c for (b, a), c in self.calibrated.items()
+                     if b == bucket and self.cost(bucket, a) is not None]
+        return max(calibrated + (sum(overheads) / len(overheads) if overheads else 0.0), 0.0)
+
     def cost_floor(self, bucket: int, arm: Arm) -> float:
         """A lower bound of an untimed arm's cost: the dearest timed arm of its path below it, plain
-        decoding, or plain decoding's times the arm's relative cost at a smaller bucket; 0 when none is
-        timed."""
+        decoding, plain decoding's times the arm's relative cost at a smaller bucket, or the calibrated
+        estimate; 0 when there is none of these."""
         path, budget = arm
         below = [self.cost(bucket, (path, b)) for b in self.budgets if 0 < b < budget]
         plain = self.cost(bucket, PLAIN)
         below.append(plain)
+        estimate = self.estimate(bucket, arm)
+        if estimate is not None:
+            below.append(self.ratio_slack * estimate)
         if plain is not None:
             smaller = bucket // 2
             while smaller >= 1 and (self.cost(smaller, arm) is None or self.cost(smaller, PLAIN) is None):
@@ -189,7 +215,9 @@ class BudgetChooser:
         probe_round, interval = self.next_probe[bucket]
         if count >= probe_round:
             self.next_probe[bucket] = (count + 2 * interval, min(2 * interval, self.max_probe_interval))
-            probe = self.probe(best)
+            neighbours = self.probes(best)
+            turn = self.probe_turns[bucket] = self.probe_turns.get(bucket, -1) + 1
+            probe = neighbours[turn % len(neighbours)]
             if timed.get(probe, bounds.get(probe, 0.0)) >= self.probe_floor * timed[best]:
                 return probe if probe in timed else self.explore(bucket, probe)
         return best
@@ -200,12 +228,15 @@ class BudgetChooser:
             logger.info("MFD auto budget: timing %s at batch size <= %d", describe(arm), bucket)
         return arm
 
-    def probe(self, arm: Arm) -> Arm:
-        """The next larger budget of arm's path (after plain decoding: the smallest drafted one of the
-        K-mode path); arm itself at the largest."""
+    def probes(self, arm: Arm) -> list[Arm]:
+        """The arms a probe round after arm plays in turn: the next larger budget of its path (after
+        plain decoding: the smallest drafted budget of each path) and the other paths at its budget;
+        arm itself when there is none (MFD's largest budget)."""
         path, budget = arm
-        larger = [b for b in self.budgets if b > budget]
-        return (path, larger[0]) if larger else arm
+        if budget == 0:
+            return [(p, self.budgets[1]) for p in self.paths]
+        larger = [(path, b) for b in self.budgets if b > budget][:1]
+        return larger + [(p, budget) for p in self.paths if p != path] or [arm]
 
 
 def describe(arm: Arm) -> str:

@@ -13,7 +13,8 @@ scheduler processes inherit. The tree budget uses SGLang's own flag:
     MFD_SGLANG_NUM_MODES=K'             draft with the drafter's first K' modes only (default: all).
     MFD_SGLANG_AUTO_BUDGET=1            pick the budget (0: plain decoding, up to B) and, for MFD_D,
                                         the drafting path per decode batch from acceptance and round
-                                        times measured while serving (`budget`); B from the flag above
+                                        times measured while serving, costs calibrated at start-up
+                                        (`budget`, `calibration`); B from the flag above
                                         is then the largest. Not with MFD_SGLANG_SWITCH_THRESHOLD.
 """
 

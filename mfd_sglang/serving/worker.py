@@ -59,6 +59,7 @@ from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_
 
 from .algorithms import check_tree_verify_attention
 from .budget import Arm, BudgetChooser, RoundClock
+from .calibration import calibrate_round_costs
 from .commit import commit_round, committed_window_path
 from .draft_context_pool import DeferredContextWrites, DraftContextPool
 from .memory import memory_plan
@@ -242,6 +243,15 @@ class MFDWorkerV2(BaseSpecWorker):
                                                           device=self.device, dtype=self.model_runner.model_config.dtype)
 
     def init_cuda_graphs(self):
+        """The CUDA graphs (`capture_cuda_graphs`), then, under the automatic budget, the start-up cost
+        calibration of every arm (on a CPU too, where SGLang calls this as well and nothing is captured)."""
+        self.capture_cuda_graphs()
+        if self.budget_chooser is not None:
+            with torch.inference_mode():
+                self.budget_chooser.calibrate(calibrate_round_costs(
+                    self, self.budget_chooser.arms, int(self.server_args.max_running_requests)))
+
+    def capture_cuda_graphs(self):
         """Under the automatic budget, the target's tree-verify graphs at every candidate budget's
         window (SGLang captured the launch budget's). Capture draft + tree + layout at every batch-size
         bucket (and both MFD_D paths). Only the paged context (mode attention in Triton) has fixed
@@ -333,7 +343,7 @@ class MFDWorkerV2(BaseSpecWorker):
         roots = draft_input.bonus_tokens.reshape(-1).long()
         arm = self.choose_arm(len(batch.reqs))
 
-        tree, layout = self.draft_tree(batch, roots, seq_lens, arm)
+        tree, layout = self.draft_tree(roots, seq_lens, batch.req_pool_indices, int(reserved_lens(batch).max()), arm)
         # Grammar requests: the tree goes to the host while the verify runs (SGLang's EAGLE path).
         grammar_tree = (GrammarTree.from_device(layout.retrive_next_token, layout.retrive_next_sibling,
                                                 layout.draft_token) if batch.has_grammar else None)
@@ -427,23 +437,23 @@ class MFDWorkerV2(BaseSpecWorker):
             self.budget_chooser.record_acceptance(arm, committed.tolist())
 
     # --- the stages of a round ------------------------------------------------------------------
-    def draft_tree(self, batch, roots: torch.Tensor, seq_lens: torch.Tensor, arm: Arm) -> tuple[DraftTree, VerifyLayout]:
+    def draft_tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, max_len: int,
+                   arm: Arm) -> tuple[DraftTree, VerifyLayout]:
         """draft + tree (and its verify layout) of arm (single-mode path, budget): a CUDA-graph replay
         when captured for this batch size, else eager; the context is read in place (mode attention), or
-        for drafters with sliding-window layers copied into a padded DraftContext. Budget 0: no draft,
-        the root alone (plain decoding)."""
+        for drafters with sliding-window layers copied into a padded DraftContext (max_len: a host-side
+        upper bound of seq_lens). Budget 0: no draft, the root alone (plain decoding)."""
         single_mode, budget = arm
         if budget == 0:
             return self.layout(empty_tree(roots.shape[0], roots.device), roots, seq_lens)
         if self.deferred_context is not None:  # the drafter reads every committed token's context
             self.deferred_context.flush()
         if self.draft_graphs is not None and seq_lens.shape[0] <= self.draft_graphs.max_bs:
-            return self.draft_graphs(roots, seq_lens, batch.req_pool_indices, key=arm)
+            return self.draft_graphs(roots, seq_lens, req_pool_indices, key=arm)
         if self.mode_attention_backend is not None:
-            return self.draft_paged_tree(roots, seq_lens, batch.req_pool_indices, key=arm)
-        width = int(reserved_lens(batch).max())
+            return self.draft_paged_tree(roots, seq_lens, req_pool_indices, key=arm)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        slots = req_to_token[batch.req_pool_indices.long()][:, :width].long()
+        slots = req_to_token[req_pool_indices.long()][:, :max_len].long()
         context = self.context_pool.gather(slots, seq_lens)
         return self.build_tree(self.draft(roots, seq_lens, context, single_mode, budget), roots, seq_lens, budget)
 
@@ -475,15 +485,13 @@ class MFDWorkerV2(BaseSpecWorker):
     def layout(tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
         return tree, tree_to_verify_layout(tree, roots, seq_lens)
 
-    def verify(self, batch, layout: VerifyLayout, seq_lens: torch.Tensor):
-        """One target forward over [root, tree nodes] per request through SGLang's tree-verify path
-        (the launch budget's window, or a smaller one under the automatic budget)."""
+    def verify_input(self, layout: VerifyLayout, seq_lens: torch.Tensor, lens_sum: int) -> EagleVerifyInput:
+        """SGLang's tree-verify input of a layout; lens_sum: any host-side upper bound of sum(seq_lens)
+        (it sizes the flat mask, whose cells are placed from seq_lens)."""
         bs, num_nodes = layout.draft_token.shape
-        # Any upper bound on sum(seq_lens) sizes the flat mask; the cells are placed from seq_lens.
-        lens_sum = int(reserved_lens(batch).sum())
         custom_mask = full_custom_mask(layout.ancestor_mask, seq_lens,
                                        num_nodes * lens_sum + bs * num_nodes * num_nodes)
-        verify_input = EagleVerifyInput(
+        return EagleVerifyInput(
             draft_token=layout.draft_token.flatten(),
             custom_mask=custom_mask,
             positions=layout.positions.flatten(),
@@ -498,6 +506,12 @@ class MFDWorkerV2(BaseSpecWorker):
             seq_lens_sum=None,
             seq_lens_cpu=None,
         )
+
+    def verify(self, batch, layout: VerifyLayout, seq_lens: torch.Tensor):
+        """One target forward over [root, tree nodes] per request through SGLang's tree-verify path
+        (the launch budget's window, or a smaller one under the automatic budget)."""
+        num_nodes = layout.draft_token.shape[1]
+        verify_input = self.verify_input(layout, seq_lens, int(reserved_lens(batch).sum()))
         verify_batch = copy.copy(batch)
         verify_batch.spec_info = verify_input
         if self.verify_graphs is not None:  # the graphs (and backend) of this round's window
