@@ -94,20 +94,23 @@ def plain_greedy(model, input_ids: list[int], max_new_tokens: int, eos: Iterable
     """Plain autoregressive greedy decoding with a KV cache, stopping after an `eos` token (each step's
     logits less frequency_penalty x the count of each token output so far): the ground truth every
     speculative path is held to."""
+    device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    ids = torch.tensor([input_ids])
+    ids = torch.tensor([list(input_ids)], device=device)
     stop = set(eos)
     out: list[int] = []
-    counts = torch.zeros(model.config.vocab_size)
+    counts = torch.zeros(model.config.vocab_size, device=device)
     with torch.inference_mode():
         while len(out) < max_new_tokens:
             logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
-            token = int((logits - frequency_penalty * counts).argmax())
+            if frequency_penalty:
+                logits = logits - frequency_penalty * counts
+            token = int(logits.argmax())
             counts[token] += 1
             out.append(token)
             if token in stop:
                 break
-            ids = torch.tensor([[token]])
+            ids = torch.tensor([[token]], device=device)
     return out
 
 
@@ -304,15 +307,7 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def autoregressive(self, input_ids: list[int], max_new_tokens: int, eos_token_ids: Iterable[int] = ()) -> list[int]:
         """Plain greedy decoding of the target with a KV cache: the baseline speculation must equal."""
-        eos = set(eos_token_ids)
-        cache = DynamicCache(config=self.target.config)
-        ids = torch.tensor([list(input_ids)], device=self.device)
-        out: list[int] = []
-        while len(out) < max_new_tokens and not (out and out[-1] in eos):
-            token = int(self.target(ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.tensor([[token]], device=self.device)
-        return out
+        return plain_greedy(self.target, input_ids, max_new_tokens, eos_token_ids)
 
     def _timed(self, state: _State, stage: str, fn, *args):
         if self.device.type == "cuda":
