@@ -2,8 +2,9 @@
 seconds of each arm's draft + tree and of the target's verify forward over the arm's window, at
 one batch size per batch-size bucket the server will run.
 
-What it times is a real round's draft and verify on placeholder requests: token 0 at position
-`CONTEXT_LEN` after a context of as many tokens, every request in request slot 0, its verify window
+What it times is a real round's draft and verify on placeholder requests: token 0 after a context
+of `CONTEXT_LEN` tokens (fewer where a request's row holds fewer with the largest window after them),
+every request in request slot 0, its verify window
 written to KV slot 0. KV slot 0 is SGLang's padding slot (the allocator never hands it out), and
 request slot 0's row of req_to_token maps every position to it before any request ran, so the
 calibration reads and writes no request's KV (nor the drafter's context of one). The verify goes
@@ -93,22 +94,24 @@ def calibrate_round_costs(worker, arms: list[Arm], max_bs: int) -> dict[tuple[in
     """{(bucket, arm): seconds of the arm's draft + tree + verify forward} for every arm at every
     batch size of `calibration_sizes(max_bs)`; logged as a table (milliseconds)."""
     device = worker.device
+    row_len = worker.model_runner.req_to_token_pool.req_to_token.shape[1]
+    context_len = max(min(CONTEXT_LEN, row_len - max(budget for _, budget in arms) - 1), 1)
     costs, verify_costs = {}, {}
     start = time.perf_counter()
     for bs in calibration_sizes(max_bs):
         bucket = batch_bucket(bs)
         roots = torch.zeros(bs, dtype=torch.int64, device=device)
-        seq_lens = torch.full((bs,), CONTEXT_LEN, dtype=torch.int64, device=device)
+        seq_lens = torch.full((bs,), context_len, dtype=torch.int64, device=device)
         slots = torch.zeros(bs, dtype=torch.int64, device=device)
         for arm in arms:
             def draft():
-                return worker.draft_tree(roots, seq_lens, slots, CONTEXT_LEN, arm)
+                return worker.draft_tree(roots, seq_lens, slots, context_len, arm)
 
             draft_seconds = median_seconds(draft, device) if arm[1] > 0 else 0.0
             width = arm[1] + 1
             if width not in verify_costs:  # both drafting paths verify the same window
                 _, layout = draft()
-                verify_input = worker.verify_input(layout, seq_lens, bs * CONTEXT_LEN)
+                verify_input = worker.verify_input(layout, seq_lens, bs * context_len)
                 forward_batch = placeholder_verify_batch(worker.model_runner, verify_input, seq_lens)
                 if worker.verify_graphs is not None:
                     worker.verify_graphs.activate(width)
@@ -117,7 +120,7 @@ def calibrate_round_costs(worker, arms: list[Arm], max_bs: int) -> dict[tuple[in
             costs[bucket, arm] = draft_seconds + verify_costs[width]
         verify_costs.clear()
     logger.info("MFD auto budget: start-up calibration (%.1f s; draft + tree + verify in ms per round, "
-                "%d-token contexts):\n%s", time.perf_counter() - start, CONTEXT_LEN, cost_table(costs, arms))
+                "%d-token contexts):\n%s", time.perf_counter() - start, context_len, cost_table(costs, arms))
     return costs
 
 
