@@ -9,8 +9,10 @@ On a GPU the matrix is {fp32, bf16} x {CUDA graphs + overlap scheduling on, grap
 graphs, overlap and KV pages of 16 tokens, each with a plain, an MFD (K = 8, B = 64) and an MFD_D
 server, and on a GPU also an MFD_D server with the automatic budget (MFD_SGLANG_AUTO_BUDGET=1: draft
 and verify graphs per budget, plain-decoding rounds; its row also requires the start-up log to list a
-verify graph for every candidate budget's window; on CPU tests/test_auto_budget.py holds it); the servers of one graph setting start together (one H200 holds them all; start-up dominates
-the time). On a CPU: fp32 only, eager, one at a time, plain and MFD_D only.
+verify graph for every candidate budget's window, and the memory the extra windows took (torch's
+reserved memory of that server's process) to be within what the launch plan counted for them; on CPU
+tests/test_auto_budget.py holds it); the servers of one graph setting start together (one H200 holds
+them all; start-up dominates the time). On a CPU: fp32 only, eager, one at a time, plain and MFD_D only.
 The target is written as a Hugging Face Qwen3 checkpoint (random weights, the width of Qwen3-4B,
 fewer layers: exactness does not depend on depth, start-up time does) with a random K = 8 drafter;
 requests go by token ids (`--skip-tokenizer-init`: no tokenizer exists).
@@ -149,11 +151,17 @@ def serve_and_generate(target: Path, drafter: Path, algorithm: str | None, promp
                 outs += [generate_ids(server, p, max_new_tokens) for p in prompts]
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    # The automatic budget's per-window verify graphs, as the worker logged them at start-up.
-    captured = re.search(r"tree-verify CUDA graphs captured for windows of \[([\d, ]*)\]", log.read_text())
+    # The automatic budget's per-window verify graphs, as the worker logged them at start-up, and the
+    # memory the launch plan counted for them.
+    text = log.read_text()
+    captured = re.search(r"tree-verify CUDA graphs captured for windows of \[([\d, ]*)\] tokens per request "
+                         r"\(the extra widths took (-?\d+) MiB", text)
+    planned = re.search(r"verify graphs of the other windows (\d+) MiB", text)
     return {"ids": [ids for ids, _ in outs], "startup_s": round(ready, 1),
             "accept_length": [meta.get("spec_accept_length") for _, meta in outs],
-            "verify_graph_widths": [int(w) for w in captured.group(1).split(",")] if captured else None}
+            "verify_graph_widths": [int(w) for w in captured.group(1).split(",")] if captured else None,
+            "verify_graph_mib": {"measured": int(captured.group(2)) if captured else None,
+                                 "planned": int(planned.group(1)) if planned else None}}
 
 
 def compare(name: str, config: ServerConfig, spec: dict, plain: dict, budget: int, prompts: list[list[int]],
@@ -169,9 +177,11 @@ def compare(name: str, config: ServerConfig, spec: dict, plain: dict, budget: in
     complete = all(len(x) == max_new_tokens for x in ids + ref)
     exact = ids == ref
     graphs_ok = True
-    if name == AUTO_SERVER[0] and config.cuda_graphs:  # a verify graph for every budget it may play
-        row["verify_graph_widths"] = spec.get("verify_graph_widths")
-        graphs_ok = row["verify_graph_widths"] == [b + 1 for b in candidate_budgets(budget)]
+    if name == AUTO_SERVER[0] and config.cuda_graphs:  # a verify graph for every budget it may play,
+        row["verify_graph_widths"] = spec.get("verify_graph_widths")  # within the memory planned for them
+        row["verify_graph_mib"] = mib = spec.get("verify_graph_mib") or {}
+        graphs_ok = (row["verify_graph_widths"] == [b + 1 for b in candidate_budgets(budget)]
+                     and None not in (mib.get("measured"), mib.get("planned")) and mib["measured"] <= mib["planned"])
     row.update(exact=exact, complete=complete, ok=complete and graphs_ok and (exact or not row["exact_required"]),
                first_divergence=[next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                  for x, y in zip(ids, ref)],

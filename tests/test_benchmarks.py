@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,20 +136,76 @@ def test_server_rows_require_exactness_in_fp32_and_completion_always():
     assert not failed["ok"] and "plain: RuntimeError: server exited" in failed["error"]
 
 
-def test_the_automatic_budget_row_requires_a_verify_graph_for_every_budget():
+def test_the_automatic_budget_row_requires_a_verify_graph_for_every_budget_within_its_plan():
     """With CUDA graphs on, the automatic-budget server's row passes only when its start-up log listed a
-    tree-verify graph for every candidate budget's window (B = 16: 0, 4, 8, 16 -> 1, 5, 9, 17 tokens)."""
+    tree-verify graph for every candidate budget's window (B = 16: 0, 4, 8, 16 -> 1, 5, 9, 17 tokens) and
+    the memory the extra windows took is within what the launch plan counted for them."""
     from server_exactness import AUTO_SERVER, ServerConfig, compare
 
     plain = {"ids": [[1, 2, 3]], "startup_s": 1.0, "accept_length": [None]}
     graphs, eager = ServerConfig("float32", True, "triton", "why"), ServerConfig("float32", False, "triton", "why")
 
-    def row(widths, config=graphs):
-        return compare(AUTO_SERVER[0], config, {**plain, "verify_graph_widths": widths}, plain, 16, [[0]], 3)
+    def row(widths, measured=700, planned=2126, config=graphs):
+        spec = {**plain, "verify_graph_widths": widths, "verify_graph_mib": {"measured": measured, "planned": planned}}
+        return compare(AUTO_SERVER[0], config, spec, plain, 16, [[0]], 3)
 
     assert row([1, 5, 9, 17])["ok"] and row([1, 5, 9, 17])["verify_graph_widths"] == [1, 5, 9, 17]
+    assert row([1, 5, 9, 17])["verify_graph_mib"] == {"measured": 700, "planned": 2126}
     assert not row([17])["ok"] and not row(None)["ok"]
-    assert row(None, eager)["ok"]  # no graphs to require
+    assert not row([1, 5, 9, 17], measured=2200)["ok"]  # took more than planned
+    assert not row([1, 5, 9, 17], planned=None)["ok"] and not row([1, 5, 9, 17], measured=None)["ok"]
+    assert row(None, None, None, eager)["ok"]  # no graphs to require
+
+
+def test_the_server_log_gives_the_verify_graph_widths_and_memory(tmp_path, monkeypatch):
+    """The figures the row above reads, parsed from the lines the plugin logs (the worker's capture, the
+    launch plan's warning under a given --mem-fraction-static)."""
+    import logging
+
+    import server_exactness
+    from mfd_sglang.serving.memory import MemoryPlan, reserve_in_mem_fraction
+    from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth
+
+    log = tmp_path / "server.log"
+    handler = logging.FileHandler(log)
+    loggers = [logging.getLogger(f"mfd_sglang.serving.{name}") for name in ("memory", "verify_graph")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:  # as a server logs them: at INFO
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        plan = MemoryPlan(weight_bytes=0, context_bytes_per_token=0, hidden=8, intermediate=8, attention_width=8,
+                          num_modes=1, block=2, budget=16, vocab=8, draft_vocab=8, dtype_bytes=2,
+                          verify_graph_bytes=2126 * 2**20)
+        reserve_in_mem_fraction(SimpleNamespace(max_running_requests=8, mem_fraction_static=0.8), plan,
+                                gpu_mem_mib=143_000, user_set=True)
+        runner = SimpleNamespace(attn_backend="backend 17", decode_cuda_graph_runner="runner 17")
+        monkeypatch.setattr("mfd_sglang.serving.verify_graph.get_spec",
+                            lambda: SimpleNamespace(speculative_num_draft_tokens=17))
+        VerifyGraphsByWidth(runner, [1, 5, 9, 17], capture=lambda model_runner, width: (width, width))
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        handler.close()
+
+    class Server:  # stands in for ServerProcess: the log is already written
+        def __init__(self, cmd, log_path, **kwargs):
+            log_path.write_text(log.read_text())
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(server_exactness, "ServerProcess", Server)
+    monkeypatch.setattr(server_exactness, "generate_ids", lambda server, prompt, n: ([1, 2], {}))
+    out = server_exactness.serve_and_generate(
+        tmp_path, tmp_path, "MFD_D", [[0]], device="cpu", config=server_exactness.ServerConfig("float32", True, None, ""),
+        budget=16, max_new_tokens=2, logdir=tmp_path, mem_fraction=0.5, startup_timeout=1)
+    assert out["verify_graph_widths"] == [1, 5, 9, 17]
+    assert out["verify_graph_mib"] == {"measured": 0, "planned": 2126}
 
 
 @pytest.mark.parametrize("dtype,want", [("float32", "triton"), ("bfloat16", None)])

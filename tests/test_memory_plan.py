@@ -1,11 +1,13 @@
 """The plugin's memory plan: the draft + tree working set it plans is an upper bound of what one round
 really allocates (measured on a Qwen3-4B-shaped drafter), and not a loose one; the drafter context it
-leaves to SGLang is what SGLang reserves; at launch it comes out of SGLang's default static fraction."""
+leaves to SGLang is what SGLang reserves; the automatic budget's extra verify windows are counted as
+SGLang's backends allocate them; at launch it comes out of SGLang's default static fraction."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from mfd_sglang.checkpoint import load_drafter, parse_drafter_config
-from mfd_sglang.serving.memory import memory_plan, reserve_in_mem_fraction
+from mfd_sglang.serving.memory import VerifyGraphPlan, memory_plan, reserve_in_mem_fraction, verify_graph_plan
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -91,3 +93,152 @@ def test_launch_takes_the_plan_out_of_the_default_static_fraction(caplog):
     with pytest.raises(ValueError, match="lower --max-running-requests"):
         reserve_in_mem_fraction(SimpleNamespace(max_running_requests=4096, mem_fraction_static=0.9), plan,
                                 gpu_mem_mib=24_000, user_set=False)
+
+
+def _graph_plan(backend: str, **overrides) -> VerifyGraphPlan:
+    # Qwen3-8B-shaped at an H200's default graph batch sizes: the large terms dominate the small state.
+    shape = dict(backends=(backend,), capture_bs=(1, 2, 4, 8, 16, 32, 64, 128, 256), context_len=40960,
+                 heads=32, head_dim=128, kv_splits=8, workspace_bytes=512 * 2**20, wrapper_kinds=1, widths=(1, 5, 9))
+    return VerifyGraphPlan(**{**shape, **overrides})
+
+
+def _tensor_bytes(backend) -> int:
+    """Bytes of the distinct tensors a backend holds (attributes, in lists, or in a struct's buffer)."""
+    import torch
+
+    seen, total = set(), 0
+    for value in vars(backend).values():
+        for item in value if isinstance(value, (list, tuple)) else [getattr(value, "buffer", value)]:
+            if isinstance(item, torch.Tensor) and id(item) not in seen:
+                seen.add(id(item))
+                total += item.numel() * item.element_size()
+    return total
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+@pytest.mark.parametrize("width", [1, 5, 9])
+def test_verify_graph_plan_counts_what_sglangs_backends_allocate_for_a_window(backend, width, monkeypatch):
+    """SGLang 0.5.23's own `init_cuda_graph_state` of each backend, run for a window of `width` tokens per
+    request with fake device tensors (shapes without memory, so CUDA-sized state is measured on CPU): the
+    plan's per-window state is at least what it allocates and at most the small-state allowance above it.
+    The FlashInfer workspace and wrappers come from its __init__ and flashinfer (not installed here); the
+    GPU check holds the whole plan against the device memory the capture took."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sglang.srt.layers.attention import verify_mask
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+    from mfd_sglang.serving.memory import FLASHINFER_WRAPPER_INT_WORKSPACE, SMALL_GRAPH_STATE
+
+    # A GPU's tree mask (this machine's SGLang picks the CPU kernels' small one).
+    monkeypatch.setattr(verify_mask, "default_tree_mask_mode", lambda: TreeMaskMode.FULL_MASK)
+    plan = _graph_plan(backend)
+    max_bs = max(plan.capture_bs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if backend == "triton":
+            state = object.__new__(TritonAttnBackend)
+            vars(state).update(dllm_attention=None, num_head=plan.heads, max_kv_splits=plan.kv_splits,
+                               v_head_dim=plan.head_dim, swa_v_head_dim=None, lean_total_programs=132,
+                               lean_block_m=16, device="cuda", max_context_len=plan.context_len,
+                               is_draft_runner=False, skip_prefill=False, num_draft_tokens=width,
+                               sliding_window_size=None, use_sliding_window_kv_pool=False)
+            fixed = 0
+        else:
+            state = object.__new__(FlashInferAttnBackend)
+            vars(state).update(max_context_len=plan.context_len, num_wrappers=plan.wrapper_kinds,
+                               use_sliding_window_kv_pool=False, skip_prefill=False,
+                               kv_indptr=[torch.zeros(max_bs + 1, dtype=torch.int32, device="cuda")])
+            fixed = plan.workspace_bytes + len(plan.capture_bs) * plan.wrapper_kinds * FLASHINFER_WRAPPER_INT_WORKSPACE
+        before = _tensor_bytes(state)
+        state.init_cuda_graph_state(max_bs, max_bs * width)
+        measured = _tensor_bytes(state) - before
+    planned = plan.width_bytes(width) - fixed
+    assert planned - SMALL_GRAPH_STATE <= measured <= planned, (measured, planned)
+    # Every width's state is counted, the launch width's is not (SGLang plans that one).
+    assert plan.total_bytes() == sum(plan.width_bytes(w) for w in (1, 5, 9))
+
+
+def test_verify_graph_plan_at_launch_follows_the_servers_arguments(tiny_pair, monkeypatch):
+    """From SGLang's resolved arguments and the target's ModelConfig: the candidate windows other than the
+    launch one, the captured batch sizes up to --max-running-requests, the backends a verify runs on; none
+    without the automatic budget or without CUDA graphs; the launch plan reserves it."""
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    model = ModelConfig(str(tiny_pair / "target"))
+    monkeypatch.setattr(overrides, "model_config_of", lambda server_args: model)
+
+    def args(**overrides_):
+        decode = SimpleNamespace(backend=Backend.FULL, bs=[1, 2, 4, 8, 16, 24, 32, 64])
+        return SimpleNamespace(**{**dict(
+            cuda_graph_config=SimpleNamespace(decode=decode), disable_cuda_graph=False, max_running_requests=48,
+            enable_deterministic_inference=False, triton_attention_split_tile_size=None,
+            triton_attention_num_kv_splits=8, attention_backend="flashinfer", decode_attention_backend=None,
+            prefill_attention_backend=None, tp_size=1), **overrides_})
+
+    monkeypatch.delenv("MFD_SGLANG_AUTO_BUDGET", raising=False)
+    assert verify_graph_plan(args(), 16) is None
+    monkeypatch.setenv("MFD_SGLANG_AUTO_BUDGET", "1")
+    plan = verify_graph_plan(args(), 16)
+    assert plan.widths == (1, 5, 9) and plan.capture_bs == (1, 2, 4, 8, 16, 24, 32, 48)
+    assert plan.backends == ("flashinfer",) and plan.context_len == model.context_len
+    assert plan.heads == model.get_max_num_attention_heads() and plan.workspace_bytes >= 512 * 2**20
+    assert verify_graph_plan(args(disable_cuda_graph=True), 16) is None
+    hybrid = verify_graph_plan(args(decode_attention_backend="triton", tp_size=2), 16)
+    assert hybrid.backends == ("flashinfer", "triton") and hybrid.heads == -(-model.get_max_num_attention_heads() // 2)
+    assert hybrid.total_bytes() > plan.total_bytes()
+    deterministic = verify_graph_plan(args(enable_deterministic_inference=True), 16)
+    assert deterministic.kv_splits == -(-model.context_len // 256) and deterministic.workspace_bytes == 2048 * 2**20
+
+    cfg = parse_drafter_config(QWEN3_4B_DRAFTER)
+    with_graphs = memory_plan(cfg, 0, dtype_bytes=2, budget=16, vocab=cfg.vocab_size,
+                              verify_graph_bytes=plan.total_bytes())
+    without = memory_plan(cfg, 0, dtype_bytes=2, budget=16, vocab=cfg.vocab_size)
+    assert with_graphs.extra_bytes(8) - without.extra_bytes(8) == plan.total_bytes()
+    assert "verify graphs of the other windows" in with_graphs.describe(8)
+
+
+RESOLVE_ON_A_GPU = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+import sglang.srt.arg_groups.memory_hook as memory_hook
+import sglang.srt.utils.common as common
+from sglang.srt.arg_groups.overrides import resolution_result
+from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
+from sglang.srt.server_args import ServerArgs
+import mfd_sglang.plugin
+
+mfd_sglang.plugin.register()
+# An H200's capacity: what SGLang's memory settings and MFD's plan read on a GPU.
+common.get_device_memory_capacity = memory_hook.get_device_memory_capacity = lambda device=None: 143_771.0
+args = ServerArgs(model_path=sys.argv[1] + "/target", device="cuda", speculative_algorithm="MFD",
+                  speculative_draft_model_path=sys.argv[1] + "/drafter", speculative_num_draft_tokens=17,
+                  attention_backend="flashinfer")
+run_resolution_pipeline(args)
+print(json.dumps({"mem_fraction_static": resolution_result(args, "mem_fraction_static")}))
+"""
+
+
+@pytest.mark.parametrize("auto_budget", [False, True])
+def test_a_gpu_launch_reserves_the_automatic_budgets_verify_graphs(tiny_pair, auto_budget):
+    """SGLang's own argument resolution of an MFD server at device cuda (run on CPU, an H200's capacity
+    reported): with the automatic budget the plan logged and taken out of the static fraction includes
+    the FlashInfer backends of windows 1, 5 and 9 (each a new 512 MiB workspace at least); without it,
+    none."""
+    env = dict(os.environ, MFD_SGLANG_AUTO_BUDGET="1" if auto_budget else "0")
+    out = subprocess.run([sys.executable, "-c", RESOLVE_ON_A_GPU, str(tiny_pair)], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fraction = json.loads(out.stdout.splitlines()[-1])["mem_fraction_static"]
+    planned = re.search(r"MFD: --mem-fraction-static ([\d.]+) -> ([\d.]+) to leave (\d+) MiB", out.stderr)
+    graphs = re.search(r"verify graphs of the other windows (\d+) MiB", out.stderr)
+    assert planned and float(planned.group(2)) == fraction
+    assert float(planned.group(1)) - fraction == pytest.approx(int(planned.group(3)) / 143_771.0, abs=1e-3)
+    if auto_budget:
+        assert graphs and int(graphs.group(1)) >= 3 * 512 and int(planned.group(3)) > int(graphs.group(1))
+    else:
+        assert graphs is None and int(planned.group(3)) < 512

@@ -14,7 +14,9 @@ token, which is exactly what `DraftContextPool` holds per KV slot). What it does
                     tree's per-mode beams, plus the hidden states and candidates that live across them;
   verify working set the float32 target logits of the B + 1 verified tokens per request that the
                     accept step reads (one [bs * N, V] copy, made when the target returns lower
-                    precision), plus the per-node sampling work at T > 0.
+                    precision), plus the per-node sampling work at T > 0;
+  verify graphs     under the automatic budget with CUDA graphs, the attention backends of the
+                    candidate windows other than the launch one (`VerifyGraphPlan`).
 
 `MemoryPlan.extra_bytes(bs)` is their sum at batch bs: an upper bound of what the plugin allocates
 outside SGLang's plan, held against measured allocations by `benchmarks/draft_memory.py` and its test.
@@ -26,6 +28,7 @@ and a warning says what MFD needs.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from mfd_sglang.checkpoint import DrafterConfig
@@ -57,6 +60,7 @@ class MemoryPlan:
     draft_vocab: int  # the drafter's scored vocabulary
     dtype_bytes: int
     vocab_chunk: int = VOCAB_CHUNK
+    verify_graph_bytes: int = 0  # VerifyGraphPlan.total_bytes(), independent of the running batch
 
     def draft_bytes(self, bs: int) -> int:
         """Upper bound of one draft + tree round's allocations at batch bs."""
@@ -76,18 +80,113 @@ class MemoryPlan:
 
     def extra_bytes(self, bs: int) -> int:
         """Everything MFD allocates outside SGLang's plan with bs requests running."""
-        return self.weight_bytes + self.draft_bytes(bs) + self.verify_bytes(bs)
+        return self.weight_bytes + self.draft_bytes(bs) + self.verify_bytes(bs) + self.verify_graph_bytes
 
     def describe(self, bs: int) -> str:
         mib = 2**20
+        graphs = (f", verify graphs of the other windows {self.verify_graph_bytes / mib:.0f} MiB"
+                  if self.verify_graph_bytes else "")
         return (f"drafter weights {self.weight_bytes / mib:.0f} MiB, draft + tree at {bs} requests "
-                f"{self.draft_bytes(bs) / mib:.0f} MiB, verify logits {self.verify_bytes(bs) / mib:.0f} MiB "
-                f"(outside SGLang's plan: {self.extra_bytes(bs) / mib:.0f} MiB); drafter context "
+                f"{self.draft_bytes(bs) / mib:.0f} MiB, verify logits {self.verify_bytes(bs) / mib:.0f} MiB"
+                f"{graphs} (outside SGLang's plan: {self.extra_bytes(bs) / mib:.0f} MiB); drafter context "
                 f"{self.context_bytes_per_token} B per KV slot (inside SGLang's KV plan)")
 
 
+# flashinfer allocates an 8 MiB int workspace on the device in every wrapper's __init__; SGLang's
+# FlashInfer backend makes one prefill wrapper per captured batch size (and wrapper kind) for the
+# tree verify.
+FLASHINFER_WRAPPER_INT_WORKSPACE = 8 * 2**20
+# SGLang 0.5.23 raises the FlashInfer workspace to 512 MiB for Qwen2 / Qwen3-family targets, to 2 GiB
+# under deterministic inference (`FlashInferAttnBackend.__init__`).
+FLASHINFER_QWEN_WORKSPACE, FLASHINFER_DETERMINISTIC_WORKSPACE = 512 * 2**20, 2048 * 2**20
+# Per backend and width: index pointers, Triton's lean-decode partials, split counts (< 2 MiB for a
+# 132-SM device and 256 requests).
+SMALL_GRAPH_STATE = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class VerifyGraphPlan:
+    """Device memory of the automatic budget's extra tree-verify windows (`serving/verify_graph.py`):
+    for each window width other than the launch one, attention backends of their own and their
+    CUDA-graph state, as SGLang 0.5.23 allocates them (the launch width's state SGLang plans itself).
+    A graph token is one of (largest captured batch) x width; per backend and width:
+
+      flashinfer  a new float workspace (`init_new_workspace`), the KV indices (int32) and the custom
+                  mask (uint8) per graph token and context position (`init_cuda_graph_state`), one
+                  prefill wrapper per captured batch size and wrapper kind;
+      triton      the KV indices (int64) per graph token and context position, the tree mask (uint8,
+                  FULL_MASK: per graph token x (context + width)), the split-KV partial outputs and
+                  log-sum-exps (float32 per graph token x head x split x (head_dim + 1)).
+
+    Plus `SMALL_GRAPH_STATE` each. The graphs' activations come from SGLang's graph memory pool, which
+    the launch width (the largest) sized first, so they are not counted again."""
+
+    backends: tuple[str, ...]  # the distinct attention backends a verify runs on (hybrid: two)
+    capture_bs: tuple[int, ...]
+    context_len: int
+    heads: int  # query heads per rank
+    head_dim: int
+    kv_splits: int  # Triton's split-KV count
+    workspace_bytes: int  # FlashInfer's float workspace
+    wrapper_kinds: int  # FlashInfer's wrappers per batch size (2 with a sliding window)
+    widths: tuple[int, ...]
+
+    def width_bytes(self, width: int) -> int:
+        tokens = max(self.capture_bs) * width
+        total = 0
+        for backend in self.backends:
+            if backend == "flashinfer":
+                total += (self.workspace_bytes + tokens * self.context_len * 5
+                          + len(self.capture_bs) * self.wrapper_kinds * FLASHINFER_WRAPPER_INT_WORKSPACE)
+            else:
+                total += (tokens * self.context_len * INT64 + tokens * (self.context_len + width)
+                          + tokens * self.heads * self.kv_splits * (self.head_dim + 1) * FLOAT32)
+            total += SMALL_GRAPH_STATE
+        return total
+
+    def total_bytes(self) -> int:
+        return sum(self.width_bytes(width) for width in self.widths)
+
+
+def verify_graph_plan(server_args, budget: int) -> VerifyGraphPlan | None:
+    """The plan of the automatic budget's extra verify windows for a GPU server at launch (SGLang's
+    resolved arguments and the target's ModelConfig); None without CUDA graphs or the automatic budget."""
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.environ import envs
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from .budget import candidate_budgets
+    from .options import read_options
+
+    if not read_options().auto_budget or server_args.disable_cuda_graph:
+        return None
+    decode_graphs = server_args.cuda_graph_config.decode
+    if decode_graphs.backend == Backend.DISABLED:
+        return None
+    max_requests = int(server_args.max_running_requests)
+    capture_bs = sorted({bs for bs in decode_graphs.bs if bs <= max_requests}
+                        | ({max_requests} if max(decode_graphs.bs) > max_requests else set()))
+    model = model_config_of(server_args)
+    text = model.hf_text_config
+    deterministic = bool(server_args.enable_deterministic_inference)
+    tile = 256 if deterministic else server_args.triton_attention_split_tile_size
+    backends = {server_args.attention_backend, server_args.decode_attention_backend,
+                server_args.prefill_attention_backend} - {None}
+    return VerifyGraphPlan(
+        backends=tuple(sorted(backends)), capture_bs=tuple(capture_bs), context_len=int(model.context_len),
+        heads=math.ceil(model.get_max_num_attention_heads() / int(server_args.tp_size or 1)),
+        head_dim=int(model.head_dim),
+        kv_splits=math.ceil(model.context_len / tile) if tile else int(server_args.triton_attention_num_kv_splits),
+        workspace_bytes=(FLASHINFER_DETERMINISTIC_WORKSPACE if deterministic
+                         else max(envs.SGLANG_FLASHINFER_WORKSPACE_SIZE.get(), FLASHINFER_QWEN_WORKSPACE)),
+        wrapper_kinds=2 if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+        or model.is_encoder_decoder else 1,
+        widths=tuple(b + 1 for b in candidate_budgets(budget) if b != budget))
+
+
 def memory_plan(cfg: DrafterConfig, weight_elements: int, *, dtype_bytes: int, budget: int, vocab: int,
-                num_modes: int | None = None, tp_size: int = 1, tied_embeddings: bool = True) -> MemoryPlan:
+                num_modes: int | None = None, tp_size: int = 1, tied_embeddings: bool = True,
+                verify_graph_bytes: int = 0) -> MemoryPlan:
     """The plan, per rank, of a drafter (its config and number of weight elements, `checkpoint.weights`
     or the module's parameters) served in a dtype of `dtype_bytes` with tree budget B over a target
     vocabulary of `vocab`, on `tp_size` tensor-parallel ranks."""
@@ -102,7 +201,7 @@ def memory_plan(cfg: DrafterConfig, weight_elements: int, *, dtype_bytes: int, b
         hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
         attention_width=2 * q_width + 2 * kv_width,
         num_modes=num_modes or cfg.num_modes, block=cfg.block_size, budget=budget, vocab=vocab,
-        draft_vocab=draft_vocab, dtype_bytes=dtype_bytes)
+        draft_vocab=draft_vocab, dtype_bytes=dtype_bytes, verify_graph_bytes=verify_graph_bytes)
 
 
 def reserve_in_mem_fraction(server_args, plan: MemoryPlan, gpu_mem_mib: float | None, user_set: bool) -> None:
@@ -142,11 +241,14 @@ def plan_launch_memory(server_args) -> None:
     ckpt = load_drafter(server_args.speculative_draft_model_path)
     target = _target_text_config(server_args.model_path)
     weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())
+    budget = budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
+    graphs = verify_graph_plan(server_args, budget)
     plan = memory_plan(ckpt.config, weights, dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
-                       budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),
+                       budget=budget,
                        vocab=target["vocab_size"],
                        num_modes=read_options().num_modes, tp_size=int(server_args.tp_size or 1),
-                       tied_embeddings=bool(target.get("tie_word_embeddings")))
+                       tied_embeddings=bool(target.get("tie_word_embeddings")),
+                       verify_graph_bytes=graphs.total_bytes() if graphs else 0)
     # The raw input tells whether the user set the fraction (the resolved value is always set).
     raw = getattr(server_args, "_raw_input", None) or {}
     reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),

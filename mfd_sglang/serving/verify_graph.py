@@ -86,8 +86,10 @@ def capture_verify_width(model_runner, width: int, runner_cls=MFDVerifyCudaGraph
     return backend, runner
 
 
-def device_free_bytes() -> int:
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+def device_reserved_bytes() -> int:
+    """This process's device memory held by torch (workspaces, graph state and graph pools are torch
+    allocations), not the device's free memory, which other processes move."""
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
 
 
 class VerifyGraphsByWidth:
@@ -101,7 +103,7 @@ class VerifyGraphsByWidth:
         self.model_runner = model_runner
         self.active = int(get_spec().speculative_num_draft_tokens)
         self.states = {self.active: (model_runner.attn_backend, model_runner.decode_cuda_graph_runner)}
-        free_before = device_free_bytes()
+        reserved_before = device_reserved_bytes()
         for width in sorted(set(widths) - {self.active}):
             try:
                 self.states[width] = capture(model_runner, width)
@@ -111,10 +113,10 @@ class VerifyGraphsByWidth:
                     f"{width}-token window (after windows {sorted(self.states)}); lower "
                     "--mem-fraction-static or --cuda-graph-max-bs, or serve a fixed budget "
                     "(MFD_SGLANG_AUTO_BUDGET unset)") from exc
-        # Not in MFD's launch-time memory plan yet (a backend's graph state depends on its kind): logged.
+        # The launch plan counted these (`memory.VerifyGraphPlan`); the GPU check holds it to this figure.
         logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request (the "
                     "extra widths took %.0f MiB of device memory)", sorted(self.states),
-                    (free_before - device_free_bytes()) / 2**20)
+                    (device_reserved_bytes() - reserved_before) / 2**20)
 
     def activate(self, width: int) -> None:
         if width != self.active:
