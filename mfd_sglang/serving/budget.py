@@ -105,7 +105,7 @@ class BudgetChooser:
     budgets: tuple[int, ...] = field(init=False)
     acceptance: dict[tuple[bool, int], DecayedMean] = field(init=False)
     costs: dict[tuple[int, Arm], DecayedMean] = field(init=False)
-    calibrated: dict[tuple[int, Arm], float] = field(init=False)  # start-up seconds (`calibration`)
+    calibrated: dict[int, dict[Arm, float]] = field(init=False)  # bucket: arm: start-up seconds (`calibration`)
     rounds: dict[int, int] = field(init=False)
     chosen: dict[int, Arm] = field(init=False)
     explored: set[tuple[int, Arm]] = field(init=False)
@@ -134,7 +134,9 @@ class BudgetChooser:
 
     def calibrate(self, costs: dict[tuple[int, Arm], float]) -> None:
         """Start-up seconds of (bucket, arm)'s draft + verify (`calibration.calibrate_round_costs`)."""
-        self.calibrated = dict(costs)
+        self.calibrated = {}
+        for (bucket, arm), seconds in costs.items():
+            self.calibrated.setdefault(bucket, {})[arm] = seconds
 
     def record_round_time(self, bs: int, arm: Arm, seconds: float) -> None:
         self.costs.setdefault((batch_bucket(bs), arm), DecayedMean(self.cost_decay)).update(seconds, 1)
@@ -157,11 +159,11 @@ class BudgetChooser:
     def estimate(self, bucket: int, arm: Arm) -> float | None:
         """The calibrated cost plus the bucket's overhead: the mean of timed minus calibrated cost over
         the arms timed at the bucket (what calibration leaves out: the scheduler, accept, commit)."""
-        calibrated = self.calibrated.get((bucket, arm))
+        at_bucket = self.calibrated.get(bucket, {})
+        calibrated = at_bucket.get(arm)
         if calibrated is None:
             return None
-        overheads = [self.cost(bucket, a) - c for (b, a), c in self.calibrated.items()
-                     if b == bucket and self.cost(bucket, a) is not None]
+        overheads = [self.cost(bucket, a) - c for a, c in at_bucket.items() if self.cost(bucket, a) is not None]
         return max(calibrated + (sum(overheads) / len(overheads) if overheads else 0.0), 0.0)
 
     def cost_floor(self, bucket: int, arm: Arm) -> float:

@@ -96,10 +96,10 @@ def calibrate_round_costs(worker, arms: list[Arm], max_bs: int) -> dict[tuple[in
     device = worker.device
     row_len = worker.model_runner.req_to_token_pool.req_to_token.shape[1]
     context_len = max(min(CONTEXT_LEN, row_len - max(budget for _, budget in arms) - 1), 1)
-    costs, verify_costs = {}, {}
+    costs = {}
     start = time.perf_counter()
     for bs in calibration_sizes(max_bs):
-        bucket = batch_bucket(bs)
+        bucket, verify_costs = batch_bucket(bs), {}
         roots = torch.zeros(bs, dtype=torch.int64, device=device)
         seq_lens = torch.full((bs,), context_len, dtype=torch.int64, device=device)
         slots = torch.zeros(bs, dtype=torch.int64, device=device)
@@ -118,7 +118,6 @@ def calibrate_round_costs(worker, arms: list[Arm], max_bs: int) -> dict[tuple[in
                 verify_costs[width] = median_seconds(lambda: worker.target_worker.forward_batch_generation(
                     batch=None, forward_batch=forward_batch, is_verify=True), device)
             costs[bucket, arm] = draft_seconds + verify_costs[width]
-        verify_costs.clear()
     logger.info("MFD auto budget: start-up calibration (%.1f s; draft + tree + verify in ms per round, "
                 "%d-token contexts):\n%s", time.perf_counter() - start, context_len, cost_table(costs, arms))
     return costs
