@@ -157,8 +157,6 @@ def test_verify_graph_plan_counts_what_sglangs_backends_allocate_for_a_window(ba
         measured = _tensor_bytes(state) - before
     planned = plan.width_bytes(width) - fixed
     assert planned - SMALL_GRAPH_STATE <= measured <= planned, (measured, planned)
-    # Every width's state is counted, the launch width's is not (SGLang plans that one).
-    assert plan.total_bytes() == sum(plan.width_bytes(w) for w in (1, 5, 9))
 
 
 def test_verify_graph_plan_at_launch_follows_the_servers_arguments(tiny_pair, monkeypatch):
