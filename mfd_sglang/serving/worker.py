@@ -62,7 +62,7 @@ from .budget import Arm, BudgetChooser, RoundClock
 from .calibration import calibrate_round_costs
 from .commit import commit_round, committed_window_path
 from .draft_context_pool import DeferredContextWrites, DraftContextPool
-from .memory import memory_plan
+from .memory import memory_plan, verify_graph_plan
 from .options import budget_from_num_draft_tokens, read_options
 from .penalties import (OutputPenalties, adjust_tree_logits, count_resumed_output, cumulate, output_penalties,
                         path_token_counts)
@@ -200,10 +200,13 @@ class MFDWorkerV2(BaseSpecWorker):
         self.embed_weight = embed[:vocab]
         self.head_weight = self.drafter.head_weight(head[:vocab])
         weights = sum(p.numel() for p in self.drafter.parameters())
+        # As reserved at launch (`plan_launch_memory`), the automatic budget's verify graphs included.
+        graphs = verify_graph_plan(server_args, self.budget) if on_cuda else None
         self.memory_plan = memory_plan(ckpt.config, weights, budget=self.budget, vocab=vocab,
                                        dtype_bytes=self.embed_weight.element_size(),
                                        num_modes=self.drafter.mode_embed.shape[0],
-                                       tp_size=self.tp_group.world_size, tied_embeddings=tied)
+                                       tp_size=self.tp_group.world_size, tied_embeddings=tied,
+                                       verify_graph_bytes=graphs.total_bytes() if graphs else 0)
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         self.context_pool: DraftContextPool | None = None
         self.deferred_context: DeferredContextWrites | None = None  # plain-decoding rounds' context (automatic budget)
