@@ -1,7 +1,7 @@
 """Round cost: one speculative round (draft + tree + verify + commit) in plain decode steps.
 
-    python benchmarks/gpu_check.py --only round_cost                      # on a GPU: Qwen3-4B shapes, bf16, CUDA graphs
-    python benchmarks/gpu_check.py --only round_cost --quick --device cpu # tiny shapes, fp32, eager, same buffers
+    bash scripts/gpu_check.sh (--part 2)     # on a GPU: Qwen3-4B shapes, bf16, CUDA graphs (part 1: bs 1; part 2: 4, 16)
+    round_cost_rows("cpu", quick=True)      # tiny shapes, fp32, eager, same buffers (tests/test_round_cost.py)
 
 A Qwen3-shaped target with random weights and static buffers (KV cache [layers, bs, kv_heads,
 max_len, head_dim], bool masks over the whole static length), so every step has fixed shapes and
@@ -276,15 +276,26 @@ def capture_round(spec: SpecRound, roots, cache_lens, *, use_graph: bool) -> Rou
     return RoundGraphs(replays, candidates, tree, result, next_roots, next_lens)
 
 
+def round_state(spec: SpecRound) -> list[torch.Tensor]:
+    """What a round writes besides its outputs: the target's KV cache and the drafter's context pool."""
+    return [spec.target.k_cache, spec.target.v_cache, *spec.context.keys, *spec.context.values]
+
+
 def graphs_match_eager(spec: SpecRound, graphs: RoundGraphs, roots, cache_lens) -> bool:
-    """The replayed draft / tree / verify stages give the tree and accepted path the same stages give
-    when run eagerly (the verify rewrites the same window K/V either way)."""
-    for stage in STAGES[:3]:
-        graphs.replays[stage]()
+    """A replayed round (draft, tree, verify, commit) gives the tree, the accepted path, the next roots
+    and lengths, and the same target-cache and drafter-context writes as the four stages run eagerly
+    from the same state (the round is replayed, the state restored, then the eager round runs)."""
+    before = [t.clone() for t in round_state(spec)]
+    graphs.replay_round()
+    replayed = [t.clone() for t in round_state(spec)]
+    for t, saved in zip(round_state(spec), before):
+        t.copy_(saved)
     tree = spec.tree(spec.draft(roots, cache_lens))
-    result, _ = spec.verify(tree, roots, cache_lens)
-    return torch.equal(tree.tokens, graphs.tree.tokens) and torch.equal(result.accepted_tokens,
-                                                                        graphs.result.accepted_tokens)
+    result, features = spec.verify(tree, roots, cache_lens)
+    next_roots, next_lens = spec.commit(result, features, cache_lens)
+    outputs = [(tree.tokens, graphs.tree.tokens), (result.accepted_tokens, graphs.result.accepted_tokens),
+               (next_roots, graphs.next_roots), (next_lens, graphs.next_lens)]
+    return all(torch.equal(a, b) for a, b in outputs + list(zip(round_state(spec), replayed)))
 
 
 def capture_decode_step(target: StaticTarget, roots, cache_lens, *, use_graph: bool):
@@ -307,17 +318,17 @@ def replay_ms(replay, device: str, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def round_cost_section(device: str, quick: bool) -> list[dict]:
-    """Round cost of MFD, MFD_D and DDTree at B = 64 for bs 1, 4, 16 (quick: tiny shapes, bs 1, 2)."""
+def round_cost_rows(device: str, quick: bool, batch_sizes: tuple[int, ...] = (1, 4, 16)):
+    """Round cost of MFD, MFD_D and DDTree at B = 64 per batch size, a row at a time (quick: tiny shapes);
+    `ok` when the replayed round equals the eager one (`graphs_match_eager`)."""
     cfg = TargetConfig.tiny() if quick else TargetConfig.qwen3_4b()
     use_graph = device.startswith("cuda")
     dtype = torch.bfloat16 if use_graph and not quick else torch.float32
-    batch_sizes, prompt_len, repeats = ((1, 2), 16, 5) if quick else ((1, 4, 16), 512, 20)
+    prompt_len, repeats = (16, 5) if quick else (512, 20)
     target = StaticTarget(cfg, device, dtype, seed=0)
     drafters = {modes: random_drafter(cfg, target.feature_layers, modes, seed=modes, device=device, dtype=dtype)
                 for modes in {m for m, _ in CONFIGS.values()}}
     gen = torch.Generator(device).manual_seed(1)
-    rows = []
     for bs in batch_sizes:
         # Replays do not advance, so the cache only holds the prompt plus one verify window.
         target.allocate(bs, prompt_len + BUDGET + 1)
@@ -331,14 +342,13 @@ def round_cost_section(device: str, quick: bool) -> list[dict]:
             ar_ms = replay_ms(ar_step, device, repeats)
             round_ms = replay_ms(graphs.replay_round, device, repeats)
             stage_ms = {f"{s}_ms": round(replay_ms(graphs.replays[s], device, repeats), 4) for s in STAGES}
-            rows.append({"config": name, "bs": bs, "K": 1 if single_mode else modes, "B": BUDGET,
-                         "ar_step_ms": round(ar_ms, 4), "round_ms": round(round_ms, 4),
-                         "round_cost": round(round_ms / ar_ms, 3), **stage_ms,
-                         "graph_equals_eager": graphs_match_eager(spec, graphs, roots, cache_lens)})
+            yield {"config": name, "bs": bs, "K": 1 if single_mode else modes, "B": BUDGET,
+                   "ar_step_ms": round(ar_ms, 4), "round_ms": round(round_ms, 4),
+                   "round_cost": round(round_ms / ar_ms, 3), **stage_ms,
+                   "ok": graphs_match_eager(spec, graphs, roots, cache_lens)}
             del spec, ar_step, graphs  # free this config's graphs and context before the next
             if use_graph:
                 torch.cuda.empty_cache()
-    return rows
 
 
 def print_round_cost(rows: list[dict]) -> None:
@@ -348,5 +358,5 @@ def print_round_cost(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['config']:>7} {r['bs']:>3} {r['K']:>2} {r['B']:>3} {r['ar_step_ms']:>8.3f} {r['round_ms']:>9.3f} "
               f"{r['round_cost']:>6.3f} " + " ".join(f"{r[s + '_ms']:>9.3f}" for s in STAGES)
-              + f"  {r['graph_equals_eager']}")
+              + f"  {r['ok']}")
 

@@ -6,6 +6,8 @@ One program per (request, kv head, tile of BLOCK_M query rows), where the rows o
 so the paged context is streamed once per row tile rather than once per mode and query head. The
 context loop runs over the request's own length (online softmax); the block part is one tile of all
 K x T block keys with a same-mode mask. No host sync; fixed launch shapes for a given batch.
+fp32 inputs are multiplied in IEEE fp32 (`input_precision="ieee"`): Triton's default for an fp32
+`tl.dot` on NVIDIA GPUs is TF32, which would part the fp32 path from its reference.
 """
 
 import os
@@ -16,14 +18,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale):
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
     """Online-softmax update of (running max, running sum, accumulator) with one key/value tile."""
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -33,6 +35,7 @@ def _mode_attention_kernel(
     sq_b, sq_h, sq_r, sb_b, sb_h, sb_r, sp_s, sp_h, s_rt, so_b, so_h, so_r,
     ROWS: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,7 +62,7 @@ def _mode_attention_kernel(
         kv_mask = valid_n[:, None] & valid_d[None, :]
         k = tl.load(PK + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(PV + kv_off, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, valid_n[None, :], m_i, l_i, acc, scale)
+        m_i, l_i, acc = _attend_tile(q, k, v, valid_n[None, :], m_i, l_i, acc, scale, PRECISION)
 
     offs_r = tl.arange(0, BLOCK_R)
     valid_r = offs_r < ROWS
@@ -68,7 +71,7 @@ def _mode_attention_kernel(
     k = tl.load(BK + blk_off, mask=blk_mask, other=0.0)
     v = tl.load(BV + blk_off, mask=blk_mask, other=0.0)
     same_mode = (row[:, None] // BLOCK_T) == (offs_r[None, :] // BLOCK_T)
-    m_i, l_i, acc = _attend_tile(q, k, v, same_mode & valid_r[None, :], m_i, l_i, acc, scale)
+    m_i, l_i, acc = _attend_tile(q, k, v, same_mode & valid_r[None, :], m_i, l_i, acc, scale, PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(OUT + b * so_b + head[:, None] * so_h + row[:, None] * so_r + offs_d[None, :],
@@ -99,5 +102,6 @@ def mode_attention_triton(q, block_k, block_v, pool_k, pool_v, req_to_token, req
         pool_k.stride(0), pool_k.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1), out.stride(2),
         ROWS=rows, BLOCK_T=rows // num_modes, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

@@ -13,23 +13,48 @@ arguments, so what is registered here is known everywhere:
   - the `mfd_cpu` attention backend (plain torch, for CPU-only machines; `mfd_sglang.cpu.attention`);
   - the CPU HookRegistry hooks, when `python -m mfd_sglang.cpu.launch_server` started the process
     tree (`MFD_SGLANG_CPU=1`); SGLang applies hooks per process, so they are registered again in
-    every spawned child.
+    every spawned child;
+  - the check that all of these hooks were applied (`mfd_sglang.patches.installed_check`): SGLang
+    only logs a hook target it cannot resolve, so a process in which one is missing refuses to start,
+    naming it.
 SGLang only logs an exception raised here, and the launch then fails later with "Unknown
 speculative algorithm name: MFD"; so a failure to register the algorithms is also printed on
 stderr with its cause.
 """
 
+import importlib.util
 import logging
 import sys
 
 logger = logging.getLogger(__name__)
 
 
+def source_checkout_error() -> str | None:
+    """Why this `mfd_sglang` cannot register, when it is the repository's source folder rather than the
+    installed package: `patches/` and `kernels/` live at the repository root and only an install maps
+    them into `mfd_sglang` (setup.py's package_dir). `python -m ...` started in the repository root puts
+    the root first on sys.path, so that folder shadows the installed package."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    if (here / "patches").is_dir() or importlib.util.find_spec("mfd_sglang.patches") is not None:
+        return None
+    return (f"mfd_sglang was imported from {here}, a source checkout without its patches/ and kernels/ "
+            "(only an install maps them in): the process was started in the repository root, which "
+            "`python -m` puts first on sys.path. Start the server from another directory, or install the "
+            "package (pip install -e .).")
+
+
 def register() -> None:
+    problem = source_checkout_error()
+    if problem:
+        print(f"[mfd_sglang] {problem}", file=sys.stderr, flush=True)
+        raise ImportError(problem)
     from . import __version__
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
-    from .patches import hybrid_tree_verify, launch_checks, penalty_state, request_checks, verify_graph
+    from .patches import (hybrid_tree_verify, installed_check, launch_checks, penalty_state, request_checks,
+                          verify_graph)
 
     try:
         from .serving.algorithms import register_algorithms
@@ -46,5 +71,6 @@ def register() -> None:
     hybrid_tree_verify.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()
+    installed_check.install()
     logger.debug("mfd_sglang %s plugin: algorithms %s, attention backend %r, CPU hooks %s", __version__,
                  algorithms, backend, "installed" if cpu_hooks else "not requested")

@@ -3,33 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from mfd_sglang.checkpoint import load_drafter, save_drafter
 from mfd_sglang.hf import plain_greedy
 from mfd_sglang.lab.tiny import make_tiny
 
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> Path:
-    """OUTDIR with target/, drafter/ (MFD, K = 4) and prompts.json."""
+    """OUTDIR with target/, drafter-dflash/ (single-mode), drafter/ (MFD, K = 4) and prompts.json.
+    MFD_SGLANG_TINY_PAIR names one already built with the same settings (the GPU check carries it: make-tiny
+    writes the same bytes per seed)."""
+    if os.environ.get("MFD_SGLANG_TINY_PAIR"):
+        return Path(os.environ["MFD_SGLANG_TINY_PAIR"])
     return make_tiny(tmp_path_factory.mktemp("tiny"), seed=0, num_modes=4, log=lambda *a: None)
 
 
 @pytest.fixture(scope="session")
-def tiny_dflash_drafter(tiny_pair, tmp_path_factory) -> Path:
-    """The tiny drafter rewritten as a plain DFlash checkpoint (K = 1, no mode_embed, no mfd_config),
-    dropping the (small) mode embeddings: it still agrees with the target often."""
-    ckpt = load_drafter(tiny_pair / "drafter")
-    raw = json.loads((tiny_pair / "drafter" / "config.json").read_text())
-    raw.pop("mfd_config")
-    weights = {n: t for n, t in ckpt.weights.items() if n != "mode_embed"}
-    out = tmp_path_factory.mktemp("dflash") / "drafter"
-    save_drafter(out, raw, weights)
-    return out
+def tiny_dflash_drafter(tiny_pair) -> Path:
+    """The pair's single-mode drafter, a plain DFlash checkpoint (K = 1, no mode_embed, no mfd_config), trained
+    as the MFD drafter is (same continuations, same steps)."""
+    return tiny_pair / "drafter-dflash"
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +47,7 @@ def plain_server(tiny_pair, tmp_path_factory):
     the last prompt token instead of the first output token: `ScheduleBatch.cumulate_penalty_output_tokens`
     reads req.output_ids before the previous step's result is in). MFD counts every output token when it
     is output. Sampling is the same law either way (the sampler runs on the step's own logits)."""
-    from test_mfd_server import start_server
+    from servers import start_server
 
     srv = start_server(tmp_path_factory, tiny_pair, None, None, None, max_running=8,
                        extra_args=("--disable-overlap-schedule",))

@@ -1,10 +1,11 @@
 """Benchmarks run and report well-formed results (no timing is asserted); the GPU check fails when
 something is wrong."""
 
+import dataclasses
 import json
-import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,133 +27,191 @@ def test_tree_build_benchmark_reports_every_shape():
     assert all(r["ms"] > 0 and r["K"] == 2 and r["V"] == 16 for r in rows)
 
 
-def test_gpu_check_script_runs_and_records_json(tmp_path):
-    """The one-call GPU check, smoke-run on CPU (Triton under the interpreter) with --allow-skip: every
-    section runs except the Triton timings, which need a GPU, and every correctness item passes."""
-    out = tmp_path / "check.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--quick", "--device", "cpu", "--allow-skip", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    report = json.loads(out.read_text())
-    assert report["env"]["torch"] and report["date"]
-    # the order of the one device call: kernel exactness, the server part, then costs and timings
-    ran = [k.removesuffix("_seconds") for k in report if k.endswith("_seconds")]
-    assert ran == ["tree", "vocab", "attention", "sync", "tree_mask", "servers", "round_cost", "tree_time",
-                   "attention_time", "vocab_time", "hybrid_servers"]
-    assert [k for k in report if k.endswith("_skipped")] == ["attention_time_skipped", "vocab_time_skipped",
-                                                           "hybrid_servers_skipped"], report
-    assert report["vocab"] and all(row["ok"] and row["shared"] == 1.0 for row in report["vocab"]), report["vocab"]
-    # The host-sync cases run on CPU but can only be checked on CUDA: skipped rows, not passes.
-    assert report["sync"] and all("skipped" in row and "error" not in row for row in report["sync"]), report["sync"]
-    assert report["tree"] and all(row["identical"] for row in report["tree"]), report["tree"]
-    assert report["tree_time"] and all(row["torch_ms"] > 0 for row in report["tree_time"])
-    assert report["attention"] and all(row["ok"] for row in report["attention"]), report["attention"]
-    assert report["round_cost"] and all(row["round_cost"] > 0 for row in report["round_cost"]), report
-    assert {row["config"] for row in report["round_cost"]} == {"mfd", "mfd_d", "ddtree"}
-    assert all(row["graph_equals_eager"] for row in report["round_cost"])
-    # Real CPU servers on a random target: MFD_D emits the plain server's tokens.
-    assert [row["server"] for row in report["servers"]] == ["MFD_D"], report.get("servers_error")
-    assert all(row["exact"] and row["ok"] and row["complete"] for row in report["servers"]), report["servers"]
-    assert str(out) in proc.stdout
-    # On CPU the tree-mask rows are the CPU backends, eager; all must pass.
-    assert {(row["backend"], row["mode"]) for row in report["tree_mask"]} == {("mfd_cpu", "eager"), ("triton", "eager")}
-    assert all(row["ok"] for row in report["tree_mask"]), report["tree_mask"]
-    assert proc.returncode == 0 and report["passed"] and report["failures"] == [], proc.stdout[-3000:]
-    assert "RESULT: PASS" in proc.stdout
-
-
-FAILING_RUN = """
+CHECK_RUN = """
 import sys
 sys.path.insert(0, "benchmarks")
 import gpu_check
+from gpu_check import Section, StructuralSkip
 
-def mismatch(device, quick):
-    return [{"bs": 1, "identical": True}, {"bs": 2, "identical": False}]
+def mismatch(check):
+    yield {"bs": 1, "ok": True}
+    yield {"bs": 2, "ok": False}
 
-def boom(device, quick):
+def boom(check):
+    yield {"case": "first", "ok": True}
     raise RuntimeError("kernel exploded")
 
-def timing(device, quick):
-    return [{"bs": 1, "B": 8, "V": 16, "torch_ms": 0.5}]
+def timing(check):
+    yield {"bs": 1, "torch_ms": 0.5}
 
-gpu_check.SECTIONS = {"tree": mismatch, "attention": boom, "tree_time": timing}
-sys.argv = ["gpu_check.py", "--device", "cpu", "--out", sys.argv[1]] + sys.argv[2:]
+def cuda_only(check):
+    raise StructuralSkip("needs CUDA: timings")
+
+def slow(check):
+    yield {"ok": True}
+
+gpu_check.PARTS["1"] = [Section("tree", mismatch, True, 0), Section("attention", boom, True, 0),
+                        Section("tree_time", timing, False, 0), Section("attention_time", cuda_only, False, 0),
+                        Section("servers_tiny", slow, True, float(sys.argv[2]))]
+sys.argv = ["gpu_check.py", "--cpu", "--out-dir", sys.argv[1]]
 gpu_check.main()
 """
 
 
-def test_gpu_check_fails_on_a_mismatch_and_an_error_and_keeps_what_finished(tmp_path):
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, "-c", FAILING_RUN, str(out)], cwd=REPO, capture_output=True,
+def test_gpu_check_records_every_row_and_fails_on_a_mismatch_an_error_and_what_the_deadline_cut(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", CHECK_RUN, str(out), "100000"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
-    assert report["tree"] == [{"bs": 1, "identical": True}, {"bs": 2, "identical": False}]
-    assert "RuntimeError: kernel exploded" in report["attention_error"] and report["attention"] == []
-    assert report["tree_time"] == [{"bs": 1, "B": 8, "V": 16, "torch_ms": 0.5}]
+    report = json.loads((out / "report.json").read_text())
+    sections = report["sections"]
+    assert sections["tree"]["rows"] == [{"bs": 1, "ok": True}, {"bs": 2, "ok": False}]
+    # the row before the exception is kept; the exception is the section's error
+    assert sections["attention"]["rows"] == [{"case": "first", "ok": True}]
+    assert "RuntimeError: kernel exploded" in sections["attention"]["error"]
+    assert sections["tree_time"]["rows"] == [{"bs": 1, "torch_ms": 0.5}]
+    assert sections["attention_time"] == {"skipped": "needs CUDA: timings", "seconds": 0.0}  # structural: passes
+    assert sections["servers_tiny"]["not_run"].endswith(" s left before the call's deadline")
     assert report["passed"] is False
-    assert [f.split(":")[0] for f in report["failures"]] == ["tree[1]", "attention"], report["failures"]
-    assert "RESULT: FAIL (2 items)" in proc.stdout
+    assert [f.split(":")[0] for f in report["failures"]] == ["tree[1]", "attention", "servers_tiny"], report["failures"]
+    assert "RESULT: FAIL (3 items)" in proc.stdout
+    # every row also went to rows.jsonl as it finished
+    lines = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [(r["section"], r.get("bs", r.get("case"))) for r in lines] == [
+        ("tree", 1), ("tree", 2), ("attention", "first"), ("tree_time", 1)]
 
 
-def test_gpu_check_passes_only_when_every_item_passed():
-    from gpu_check import failures
+def test_gpu_check_passes_with_structural_skips_only(tmp_path):
+    from gpu_check import Section, StructuralSkip, failures
 
-    good = {"tree": [{"identical": True}], "servers": [{"ok": True, "exact": True}], "tree_time": [{"torch_ms": 1.0}],
-            "attention": [{"ok": True, "max_abs_error": 2e-7}]}  # a measured error is no error
-    assert failures(good, ["tree", "servers", "tree_time", "attention"], allow_skip=False) == []
-    assert failures({"attention": [{"ok": False, "max_abs_error": 0.5}]}, ["attention"], allow_skip=False)
-    # a skipped section fails unless skips are allowed
-    skipped = {**good, "servers": [], "servers_skipped": "sglang is not importable"}
-    assert failures(skipped, ["tree", "servers"], allow_skip=False) == ["servers: SKIPPED sglang is not importable"]
-    assert failures(skipped, ["tree", "servers"], allow_skip=True) == []
-    # a skipped row likewise; a row with an error always fails, also in a timing section
-    rows = {"tree_mask": [{"ok": True}, {"ok": False, "skipped": "FlashInfer needs CUDA"}],
-            "tree_time": [{"torch_ms": 1.0, "triton_ms": None, "triton_error": "OutOfResources: smem"}]}
-    assert failures(rows, ["tree_mask", "tree_time"], allow_skip=True) == [
-        "tree_time[0]: ERROR triton_error: OutOfResources: smem"]
-    assert len(failures(rows, ["tree_mask", "tree_time"], allow_skip=False)) == 2
-    # a correctness section that checked nothing, or never ran, is a failure
-    assert failures({"tree": []}, ["tree"], allow_skip=True) == ["tree: no rows (nothing was checked)"]
-    assert failures({}, ["tree"], allow_skip=True) == ["tree: did not run"]
-    assert failures({"servers": [{"ok": False, "exact": False}]}, ["servers"], allow_skip=True)
+    def cuda_only(check):
+        raise StructuralSkip("needs CUDA")
+
+    sections = [Section("tree", None, True, 0), Section("tree_mask", None, True, 0), Section("tree_time", None, False, 0),
+                Section("attention_time", cuda_only, False, 0)]
+    good = {"sections": {"tree": {"rows": [{"ok": True}]},
+                         "tree_mask": {"rows": [{"ok": True}, {"skipped": "FlashInfer is not installed"}]},
+                         "tree_time": {"rows": [{"torch_ms": 1.0}]}, "attention_time": {"skipped": "needs CUDA"}}}
+    assert failures(good, sections) == []
+    bad = json.loads(json.dumps(good))
+    bad["sections"]["tree"]["rows"] = []  # a correctness section that checked nothing
+    bad["sections"]["tree_time"]["rows"] = [{"torch_ms": 1.0, "triton_error": "OutOfResources: smem"}]
+    bad["sections"]["tree_mask"]["rows"][0]["ok"] = False
+    assert [f.split(":")[0] for f in failures(bad, sections)] == ["tree", "tree_mask[0]", "tree_time[0]"]
+    bad["sections"]["tree"] = {"not_run": "12 s left before the call's deadline"}
+    assert failures(bad, sections)[0] == "tree: NOT RUN (12 s left before the call's deadline)"
 
 
-def test_server_rows_require_exactness_in_fp32_and_completion_always():
-    from server_exactness import ServerConfig, compare
+TIGHT = {"MFD": 2.0}
 
-    plain = {"ids": [[1, 2, 3], [4, 5, 6]], "startup_s": 1.0, "accept_length": [None, None]}
-    parted = {"ids": [[1, 2, 3], [4, 9, 9]], "startup_s": 1.0, "accept_length": [1.5, 1.2]}
-    short = {"ids": [[1, 2, 3], [4, 5]], "startup_s": 1.0, "accept_length": [1.5, 1.2]}
-    fp32, bf16 = (ServerConfig(d, True, "triton", "why") for d in ("float32", "bfloat16"))
-    row = lambda cfg, spec, ref=plain: compare("MFD", cfg, spec, ref, 64, [[0], [0]], 3)
-    assert row(fp32, plain)["ok"] and row(fp32, plain)["exact"]
-    assert not row(fp32, parted)["ok"] and row(fp32, parted)["first_divergence"] == [None, 1]
-    # bf16: the verify forward and the decode round differently, so parting is recorded, not failed
-    assert row(bf16, parted)["ok"] and not row(bf16, parted)["exact"]
-    assert not row(bf16, short)["ok"]  # but every request must complete
-    failed = row(bf16, plain, {"error": "RuntimeError: server exited"})
+
+def server_pair(bounds=None):
+    from server_exactness import Pair
+
+    return Pair("test pair", Path("t"), Path("d"), ((0,), (0,)), bounds)
+
+
+def test_server_rows_require_exactness_in_fp32_completion_and_the_accept_bound():
+    from server_exactness import Server, ServerConfig, compare
+
+    plain = {"ids": [[1, 2, 3], [4, 5, 6]], "startup_s": 1.0, "accept_length": [None, None],
+             "fallback_to_triton_logged": False, "log_events": []}
+    spec = lambda ids, accept=(2.5, 2.5): {**plain, "ids": ids, "accept_length": list(accept)}  # noqa: E731
+    fp32 = ServerConfig("float32", True, "triton", "why")
+    row = lambda s, ref=plain, bounds=None: compare(None, server_pair(bounds), fp32, Server("MFD", "MFD", 16), s,  # noqa: E731
+                                                    ref, 3)
+    assert row(spec(plain["ids"]))["ok"] and row(spec(plain["ids"]))["exact"]
+    parted = row(spec([[1, 2, 3], [4, 9, 9]]))
+    assert not parted["ok"] and parted["first_divergence"] == [None, 1]
+    assert not row(spec([[1, 2, 3], [4, 5]]))["ok"]  # every request must complete
+    # a pair that accepts drafts: below its bound fails, though the tokens are exact
+    assert row(spec(plain["ids"], (2.5, 2.0)), bounds=TIGHT)["ok"]
+    low = row(spec(plain["ids"], (2.0, 1.5)), bounds=TIGHT)
+    assert not low["ok"] and low["exact"] and low["mean_accept"] == 1.75
+    failed = row(spec(plain["ids"]), {"error": "RuntimeError: server exited"})
     assert not failed["ok"] and "plain: RuntimeError: server exited" in failed["error"]
+
+
+def test_bf16_rows_pass_a_divergence_only_at_a_near_tie_of_the_plain_server(monkeypatch):
+    import server_exactness
+    from server_exactness import NEAR_TIE_NATS, Launch, Server, ServerConfig, ServerLogs, compare
+
+    launch = Launch("cpu", time.time() + 600, Path("."), ServerLogs(None))
+    plain = {"ids": [[1, 2, 3], [4, 5, 6]], "startup_s": 1.0, "accept_length": [None, None],
+             "fallback_to_triton_logged": False, "log_events": []}
+    parted = {**plain, "ids": [[1, 2, 3], [4, 9, 9]], "accept_length": [2.0, 2.0]}
+    bf16 = ServerConfig("bfloat16", True, "triton", "why")
+    asked = []
+
+    def answer(top):
+        def post(server, path, payload, timeout):
+            asked.append(payload["input_ids"])
+            return {"meta_info": {"output_top_logprobs": [top]}}
+        return post
+
+    def row(top):
+        monkeypatch.setattr(server_exactness, "post_json", answer(top))
+        return compare(launch, server_pair(), bf16, Server("MFD", "MFD", 16), parted, plain, 3, plain_server=object())
+
+    tie = row([[-0.60, 5, None], [-0.60 - NEAR_TIE_NATS / 2, 9, None]])
+    assert tie["ok"] and tie["near_ties"][0] == {"at": 1, "tokens": [5, 9], "top2": [5, 9],
+                                                  "gap": round(NEAR_TIE_NATS / 2, 4), "ok": True}
+    assert asked == [[0, 4]]  # the prompt plus the common prefix, asked of the plain server
+    assert not row([[-0.1, 5, None], [-3.0, 9, None]])["ok"]  # no near-tie: a bug, not rounding
+    assert not row([[-0.6, 5, None], [-0.61, 7, None]])["ok"]  # the speculative token is not the runner-up
+    assert compare(None, server_pair(), bf16, Server("MFD", "MFD", 16), plain, plain, 3)["ok"]  # exact needs no question
+
+
+def test_the_near_tie_question_reads_a_real_plain_servers_top_logprobs(plain_server, tiny_pair):
+    """`near_tie` against a real SGLang server: the plain server's own second choice after a prefix is a
+    divergence it explains exactly when the gap is within NEAR_TIE_NATS."""
+    from server_exactness import NEAR_TIE_NATS, Launch, ServerLogs, near_tie
+    from servers import generate_ids, post_json
+
+    prompt = [3, 4, 5, 6]
+    ids, _ = generate_ids(plain_server, prompt, 4)
+    out = post_json(plain_server, "/generate", {"input_ids": prompt + ids[:2], "return_logprob": True,
+                                                 "top_logprobs_num": 2,
+                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 1}})
+    (lp1, first, _), (lp2, second, _) = out["meta_info"]["output_top_logprobs"][0][:2]
+    assert first == ids[2]
+    launch = Launch("cpu", time.time() + 300, Path("."), ServerLogs(None))
+    tie = near_tie(launch, plain_server, prompt, ids, ids[:2] + [second, 0])
+    assert tie["at"] == 2 and tie["top2"] == [first, second] and tie["tokens"] == [first, second]
+    assert tie["gap"] == round(lp1 - lp2, 4) and tie["ok"] == (lp1 - lp2 <= NEAR_TIE_NATS)
+
+
+def test_round_cost_of_a_server_is_its_time_per_round_in_plain_decode_steps():
+    """Two requests alone on each server: plain 10 + 30 tokens in 1 + 3 s (0.1 s a step); the speculative
+    server the same 40 tokens in 10 rounds and 2 s (0.2 s a round): 2 steps a round, 2x plain, 4 tokens a round."""
+    from server_exactness import round_cost
+
+    plain = [{"seconds": 1.0, "tokens": 10, "rounds": 10}, {"seconds": 3.0, "tokens": 30, "rounds": 30}]
+    spec = [{"seconds": 0.5, "tokens": 10, "rounds": 3}, {"seconds": 1.5, "tokens": 30, "rounds": 7}]
+    assert round_cost(spec, plain) == {"round_ms": 200.0, "plain_step_ms": 100.0, "round_cost": 2.0, "speedup": 2.0,
+                                       "tokens_per_round": 4.0}
 
 
 def test_the_automatic_budget_row_requires_a_verify_graph_for_every_budget_within_its_plan():
     """With CUDA graphs on, the automatic-budget server's row passes only when its start-up log listed a
     tree-verify graph for every candidate budget's window (B = 16: 0, 4, 8, 16 -> 1, 5, 9, 17 tokens) and
-    the memory the extra windows took is within what the launch plan counted for them."""
-    from server_exactness import AUTO_SERVER, ServerConfig, compare
+    the memory the extra windows took is more than nothing and within what the launch plan counted."""
+    from server_exactness import AUTO, Server, ServerConfig, compare
 
-    plain = {"ids": [[1, 2, 3]], "startup_s": 1.0, "accept_length": [None]}
+    plain = {"ids": [[1, 2, 3]], "startup_s": 1.0, "accept_length": [None], "fallback_to_triton_logged": False,
+             "log_events": []}
     graphs, eager = ServerConfig("float32", True, "triton", "why"), ServerConfig("float32", False, "triton", "why")
 
     def row(widths, measured=700, planned=2126, config=graphs):
         spec = {**plain, "verify_graph_widths": widths, "verify_graph_mib": {"measured": measured, "planned": planned}}
-        return compare(AUTO_SERVER[0], config, spec, plain, 16, [[0]], 3)
+        pair = dataclasses.replace(server_pair(), prompts=((0,),))
+        return compare(None, pair, config, Server(AUTO, "MFD_D", 16), spec, plain, 3)
 
     assert row([1, 5, 9, 17])["ok"] and row([1, 5, 9, 17])["verify_graph_widths"] == [1, 5, 9, 17]
     assert row([1, 5, 9, 17])["verify_graph_mib"] == {"measured": 700, "planned": 2126}
     assert not row([17])["ok"] and not row(None)["ok"]
     assert not row([1, 5, 9, 17], measured=2200)["ok"]  # took more than planned
+    assert not row([1, 5, 9, 17], measured=0)["ok"]  # measured nothing: the measurement missed the graphs
     assert not row([1, 5, 9, 17], planned=None)["ok"] and not row([1, 5, 9, 17], measured=None)["ok"]
     assert row(None, None, None, eager)["ok"]  # no graphs to require
 
@@ -189,46 +248,58 @@ def test_the_server_log_gives_the_verify_graph_widths_and_memory(tmp_path, monke
             logger.setLevel(level)
         handler.close()
 
-    class Server:  # stands in for ServerProcess: the log is already written
-        def __init__(self, cmd, log_path, **kwargs):
-            log_path.write_text(log.read_text())
+    written = log
 
-        def __enter__(self):
-            return self
+    class Server:  # stands in for a started ServerProcess: the log is already written
+        log_path = written
 
-        def __exit__(self, *exc):
-            return False
+        def log(self):
+            return written.read_text()
 
-    monkeypatch.setattr(server_exactness, "ServerProcess", Server)
-    monkeypatch.setattr(server_exactness, "generate_ids", lambda server, prompt, n: ([1, 2], {}))
-    out = server_exactness.serve_and_generate(
-        tmp_path, tmp_path, "MFD_D", [[0]], device="cpu", config=server_exactness.ServerConfig("float32", True, None, ""),
-        budget=16, max_new_tokens=2, logdir=tmp_path, mem_fraction=0.5, startup_timeout=1)
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(server_exactness, "start_server", lambda *a, **k: Server())
+    monkeypatch.setattr(server_exactness, "generate_all", lambda launch, server, prompts, n: [([1, 2], {})])
+    out = server_exactness.serve(None, server_pair(), server_exactness.ServerConfig("float32", True, None, ""),
+                                 server_exactness.Server("MFD_D", "MFD_D", 16), "test", 2)
     assert out["verify_graph_widths"] == [1, 5, 9, 17]
     assert out["verify_graph_mib"] == {"measured": 0, "planned": 2126}
 
 
 @pytest.mark.parametrize("dtype,want", [("float32", "triton"), ("bfloat16", None)])
-def test_server_section_names_its_attention_backend(dtype, want):
-    from server_exactness import attention_choice, server_configs
+def test_server_groups_name_their_attention_backend(dtype, want):
+    from server_exactness import attention_choice
 
     backend, why = attention_choice(dtype)
     assert backend in ("triton", "flashinfer") and why
     if want is not None:
         assert backend == want
-    configs = server_configs("cuda")
-    assert [(c.dtype, c.cuda_graphs, c.page_size) for c in configs] == [
-        ("float32", True, 1), ("bfloat16", True, 1), ("float32", True, 16), ("float32", False, 1),
-        ("bfloat16", False, 1)]
-    assert [c.dtype for c in server_configs("cpu")] == ["float32"]
 
 
-def test_server_section_adds_the_automatic_budget_on_a_gpu():
-    from server_exactness import servers
+def test_a_server_starts_in_its_log_folder_never_the_repository_root(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on sys.path: a server started in the repository root
+    would import the source folder `mfd_sglang/` (no patches/, no kernels/) instead of the installed
+    plugin. The GPU check's servers start in their log folder."""
+    import server_exactness
+    from server_exactness import Launch, ServerConfig, ServerLogs, start_server
 
-    assert [name for name, _, _ in servers("cpu")] == ["plain", "MFD_D"]
-    assert [name for name, _, _ in servers("cuda")] == ["plain", "MFD", "MFD_D", "MFD_D auto"]
-    assert servers("cuda")[-1] == ("MFD_D auto", "MFD_D", {"MFD_SGLANG_AUTO_BUDGET": "1"})
+    started = {}
+
+    class Process:
+        def __init__(self, cmd, log, **kwargs):
+            started.update(kwargs, cmd=cmd)
+
+        def start(self):
+            return self
+
+    monkeypatch.setattr(server_exactness, "ServerProcess", Process)
+    launch = Launch("cpu", time.time() + 600, tmp_path, ServerLogs(None))
+    start_server(launch, server_pair(), ServerConfig("float32", False, None, ""), server_exactness.PLAIN, "g")
+    assert started["cwd"] == tmp_path and Path(started["cwd"]).resolve() != REPO
+    with pytest.raises(TimeoutError, match="deadline"):  # nothing starts past the call's deadline
+        start_server(Launch("cpu", time.time() + 20, tmp_path, ServerLogs(None)), server_pair(),
+                     ServerConfig("float32", False, None, ""), server_exactness.PLAIN, "g")
 
 
 def test_closed_loop_compares_auto_with_ar_and_the_best_fixed_budget():

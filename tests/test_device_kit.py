@@ -1,13 +1,15 @@
-"""The device kit (scripts/device_kit.sh) and its CPU rehearsal.
+"""The device kit (scripts/device_kit.sh) and the CPU rehearsal of the GPU check's one device call.
 
 The kit must let the borrowed GPU machine (torch 2.11 / triton 3.6 / transformers 5.17, no SGLang, no
 registry) run a real SGLang 0.5.23 server with this plugin, in at most 38 MiB next to the repository
-(64 MiB per device call). The rehearsal proves that before any GPU minute is spent: a second
-environment with the image's versions (torch 2.11.0, triton 3.6.0, transformers 5.17.0 and only those
-of the image's other packages that SGLang imports; see device_kit.sh for the one version that differs)
-plus ONLY the kit runs `mfd_sglang.cpu.launch_server` with MFD on the tiny pair, and its token ids
-equal the target's own greedy decoding (on this machine's torch; a plain server is not started: MFD's
-server runs all of SGLang a plain one does, and CI time is short).
+(64 MiB per device call). The rehearsal proves the call before any GPU minute is spent: a copy of the
+repository as it travels (tracked and untracked-not-ignored files, plus the carried .device-kit and
+.gpu-check-pair), an environment with the image's versions (torch 2.11.0, triton 3.6.0, transformers
+5.17.0 and only those of the image's other packages that SGLang imports; see device_kit.sh for the one
+version that differs) and no install of the project, and in that copy's root the device's command,
+`bash scripts/gpu_check.sh`, with `--cpu`: the kit is installed the way the device installs it
+(`pip --target`, PYTHONPATH), every section runs through the same code (servers through the CPU
+launcher, Triton under the interpreter), and a section that needs CUDA is recorded as needing it.
 
 Building the kit downloads ~52 MB of wheels, the rehearsal environment a few GB (torch 2.11.0 is PyPI's
 CUDA build, which needs its nvidia libraries to load even on a CPU); both are cached (.device-kit/ and
@@ -16,19 +18,19 @@ CUDA build, which needs its nvidia libraries to load even on a CPU); both are ca
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import target_greedy
-from servers import ServerProcess, free_port, generate_ids
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 KIT_SCRIPT = REPO / "scripts" / "device_kit.sh"
 LIMIT = 38 * 2**20
 MAX_NEW = 16
@@ -162,43 +164,112 @@ def test_rehearsal_sglang_cuda_modules_import_against_the_standin(rehearsal):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["standin"].startswith(str(site)) and out["is_cuda"] and out["bound"]
     assert not out["failures"], out["failures"]
-    assert all(d < 1e-5 for d in out["diffs"].values()), out["diffs"]
+    assert out["diffs"] and all(d < 1e-5 for d in out["diffs"].values()), out["diffs"]
+
+
+
+# --- the device call, rehearsed on CPU ------------------------------------------------------------------
+
+CARRY = (".device-kit", ".gpu-check-pair")
+
+
+def travelling_copy(dest: Path, kit: Path, pair: Path) -> Path:
+    """The repository as a device call lays it out: the working tree git would send (tracked and
+    untracked-not-ignored files) plus the carried paths, and nothing else (no .venv, no .git)."""
+    tree = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                          check=True).stdout.decode().split("\0")
+    for path in filter(None, tree):
+        if (REPO / path).is_file():
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / path, dest / path)
+    shutil.copytree(kit, dest / ".device-kit")
+    shutil.copytree(pair, dest / ".gpu-check-pair")
+    return dest
+
+
+def run_device_command(copy: Path, rehearsal_dir: Path, out: Path, site: Path) -> subprocess.CompletedProcess:
+    """`bash scripts/gpu_check.sh --cpu` in the copy's root, with the rehearsal's python3 first on PATH."""
+    env = clean_env(None)
+    env.pop("OMP_NUM_THREADS")
+    env.update(PATH=f"{rehearsal_dir / 'venv' / 'bin'}:{env['PATH']}", OUT=str(out), MFD_GPU_CHECK_SITE=str(site),
+               MFD_DEVICE_KIT_COMPILED_WHEELS=str(rehearsal_dir / "cp311"), MFD_GPU_CHECK_SECONDS="2400")
+    return subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu"], cwd=copy, env=env, capture_output=True,
+                          text=True, timeout=2700)
 
 
 @pytest.fixture(scope="module")
-def rehearsal_ids(rehearsal, tiny_pair, tmp_path_factory) -> dict:
-    """Token ids of an MFD (B = 8) server on the tiny pair, fp32, four requests at once. MFD_D runs the same
-    worker code (its path choice is held by tests/test_mfd_server.py)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_pair / "target")
-    prompts = json.loads((tiny_pair / "prompts.json").read_text())[:4]
-    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
-    logdir = tmp_path_factory.mktemp("rehearsal-logs")
-    out = {"prompts": prompt_ids}
-    port = free_port()
-    cmd = [str(rehearsal["python"]), "-m", "mfd_sglang.cpu.launch_server", "--model-path", str(tiny_pair / "target"),
-           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", "4096",
-           "--context-length", "1024", "--max-running-requests", "4", "--skip-tokenizer-init",
-           "--speculative-algorithm", "MFD", "--speculative-draft-model-path", str(tiny_pair / "drafter"),
-           "--speculative-num-draft-tokens", "9"]
-    # cwd outside the repository: `python -m` puts the cwd first on sys.path, and the plugin must come
-    # from the kit's site, laid out as on the device
-    with ServerProcess(cmd, logdir / "MFD.log", port=port, env=clean_env(rehearsal["site"]),
-                       cwd=logdir, startup_timeout=900) as server:
-        with concurrent.futures.ThreadPoolExecutor(len(prompt_ids)) as pool:
-            results = list(pool.map(lambda ids: generate_ids(server, ids, MAX_NEW), prompt_ids))
-    out["MFD"] = [ids for ids, _ in results]
-    out["MFD_accept"] = [meta.get("spec_accept_length") for _, meta in results]
-    return out
+def device_call(kit, tiny_pair, tmp_path_factory) -> dict:
+    rehearsal_dir = Path(run(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
+    root = tmp_path_factory.mktemp("device-call")
+    copy = travelling_copy(root / "repo", kit, tiny_pair)
+    carried = sum(p.stat().st_size for p in copy.rglob("*") if p.is_file())  # before the call writes anything
+    out = root / "out"
+    out.mkdir()
+    proc = run_device_command(copy, rehearsal_dir, out, root / "site")
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else None
+    return {"proc": proc, "report": report, "out": out, "copy": copy, "carried": carried}
 
 
-def test_rehearsal_server_emits_the_targets_greedy_token_ids(rehearsal_ids, hf_target):
-    mfd = rehearsal_ids["MFD"]
-    assert [len(ids) for ids in mfd] == [MAX_NEW] * 4
-    # the MFD server on torch 2.11 equals the target's greedy decoding on this machine's torch
-    model, _ = hf_target
-    assert mfd == [target_greedy(model, ids, MAX_NEW) for ids in rehearsal_ids["prompts"]]
-    # the drafter really drafted: more than one token per verify round on average
-    accept = [a for a in rehearsal_ids["MFD_accept"] if a is not None]
-    assert accept and sum(accept) / len(accept) > 1.0, rehearsal_ids["MFD_accept"]
+def rows(report: dict, section: str) -> list[dict]:
+    return report["sections"][section].get("rows", [])
+
+
+def test_the_device_call_passes_on_cpu_with_every_cuda_section_named(device_call):
+    proc, report = device_call["proc"], device_call["report"]
+    assert report is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and report["passed"], (report["failures"], proc.stdout[-4000:])
+    # part 1 in its order, every section run (none cut by the deadline)
+    assert list(report["sections"]) == ["env", "tree", "tree_mask", "graph_tests", "servers_tiny", "servers_4b",
+                                        "attention", "sync", "round_cost", "servers_bf16", "tree_time",
+                                        "attention_time"]
+    assert not [n for n, e in report["sections"].items() if "not_run" in e or "error" in e]
+    # what needs CUDA says so, and nothing else is skipped
+    skipped = {n for n, e in report["sections"].items() if "skipped" in e}
+    assert skipped == {"tree_time", "attention_time"}
+    assert all(e["skipped"].startswith("needs CUDA") for n, e in report["sections"].items() if n in skipped)
+    assert [r["skipped"][:10] for r in rows(report, "graph_tests")] == ["needs CUDA"]
+    assert len(rows(report, "sync")) == 4 and all(r["skipped"].startswith("needs CUDA") for r in rows(report, "sync"))
+
+
+def test_the_device_call_registers_the_installed_plugin(device_call):
+    """SGLang's engine imports against the kit and resolves MFD / MFD_D with the plugin from the kit's site,
+    not from the copy's source folder."""
+    probe = rows(device_call["report"], "env")[1]
+    assert probe["ok"] and probe["MFD"] == "CustomSpecAlgo('MFD')", probe
+    assert "/site/mfd_sglang/" in probe["mfd_sglang"] and str(device_call["copy"]) not in probe["mfd_sglang"]
+
+
+def test_the_device_calls_servers_speculate_and_emit_the_plain_servers_tokens(device_call):
+    from server_exactness import TINY_ACCEPT_BOUNDS
+
+    report = device_call["report"]
+    tiny = rows(report, "servers_tiny")
+    assert [r["server"] for r in tiny] == ["MFD", "MFD_D"]
+    for row in tiny + rows(report, "servers_bf16"):  # the pair that accepts long paths
+        assert row["ok"] and row["complete"] and row["mean_accept"] >= TINY_ACCEPT_BOUNDS[row["server"]], row
+    assert all(r["exact"] for r in tiny), tiny
+    random_rows = rows(report, "servers_4b")
+    assert [r["server"] for r in random_rows] == ["MFD", "MFD_D"] and all(r["ok"] and r["exact"] for r in random_rows)
+    print("tiny pair mean accept length:", {r["server"]: r["mean_accept"] for r in tiny})
+
+
+def test_the_device_call_returns_what_the_device_tool_can_bring_back(device_call):
+    """At most 8 files, 16 MiB each, no deeper than two folders, plain names (the device tool's limits);
+    the server logs hold every server's start-up events."""
+    files = [p for p in device_call["out"].rglob("*") if p.is_file()]
+    assert 3 <= len(files) <= 8 and all(p.stat().st_size <= 16 * 2**20 for p in files), files
+    assert {p.name for p in files} >= {"report.json", "rows.jsonl", "server-logs.txt", "console.log", "kit-install.log"}
+    logs = (device_call["out"] / "server-logs.txt").read_text()
+    assert logs.count("===== ") == 3 * 3  # plain + MFD + MFD_D in each of the three server sections
+    assert "MFD worker: drafter" in logs
+    lines = (device_call["out"] / "rows.jsonl").read_text().splitlines()
+    assert len(lines) == sum(len(e.get("rows", [])) for e in device_call["report"]["sections"].values())
+
+
+def test_what_one_device_call_carries_fits_with_a_margin(device_call):
+    """Repository + kit + carried pair within the call's 64 MiB, with at least 8 MiB to spare."""
+    from gpu_check import CARRY_LIMIT, CARRY_MARGIN
+
+    carried = device_call["carried"]
+    print(f"one device call carries {carried / 2**20:.1f} MiB")
+    assert carried <= CARRY_LIMIT - CARRY_MARGIN, f"{carried / 2**20:.1f} MiB"

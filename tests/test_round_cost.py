@@ -13,7 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from round_cost import (  # noqa: E402
-    CONFIGS, STAGES, SpecRound, StaticTarget, TargetConfig, capture_round, random_drafter, round_cost_section,
+    CONFIGS, STAGES, SpecRound, StaticTarget, TargetConfig, capture_round, graphs_match_eager, random_drafter,
+    round_cost_rows,
 )
 
 from mfd_sglang.serving.commit import commit_round  # noqa: E402
@@ -169,10 +170,36 @@ def test_speculative_rounds_emit_the_targets_greedy_tokens():
             torch.testing.assert_close(pool[layer][slots].transpose(1, 2), expected_kv[layer], rtol=1e-4, atol=1e-4)
 
 
-def test_round_cost_section_reports_every_config_and_batch_size():
-    rows = round_cost_section("cpu", quick=True)
+def test_round_cost_rows_report_every_config_and_batch_size():
+    rows = list(round_cost_rows("cpu", quick=True, batch_sizes=(1, 2)))
     assert {(r["config"], r["bs"]) for r in rows} == {(c, bs) for c in CONFIGS for bs in (1, 2)}
     for r in rows:
         assert r["ar_step_ms"] > 0 and r["round_ms"] > 0 and r["round_cost"] > 0, r
         assert all(r[f"{s}_ms"] > 0 for s in STAGES), r
         assert r["K"] == (8 if r["config"] == "mfd" else 1) and r["B"] == 64
+        assert r["ok"] is True
+
+
+def test_graph_check_sees_every_stage_including_the_commits_writes():
+    """`graphs_match_eager` (the GPU check's replay-vs-eager verdict) fails when a replayed stage differs
+    from its eager run: a replayed commit that writes the drafter context or the target cache elsewhere,
+    or a replayed round that emits other next roots, is caught (on a GPU the replays are CUDA graphs)."""
+    bs = 2
+    target = make_target(bs, 16 + 65 + 1)
+    drafter = random_drafter(CFG, target.feature_layers, 2, seed=2, device="cpu", dtype=torch.float32)
+    spec = SpecRound(target, drafter, budget=64, single_mode=False, tree_backend="torch")
+    roots, cache_lens = spec.prefill(prompts(bs, 16))
+
+    def round_graphs():
+        return capture_round(spec, roots, cache_lens, use_graph=False)
+
+    assert graphs_match_eager(spec, round_graphs(), roots, cache_lens)
+    for corrupt in (lambda: spec.context.keys[0].add_(1.0), lambda: target.v_cache.mul_(2.0)):
+        graphs = round_graphs()
+        commit = graphs.replays["commit"]
+        graphs.replays["commit"] = lambda commit=commit, corrupt=corrupt: (commit(), corrupt())
+        assert not graphs_match_eager(spec, graphs, roots, cache_lens)
+    graphs = round_graphs()
+    commit = graphs.replays["commit"]
+    graphs.replays["commit"] = lambda: (commit(), graphs.next_roots.add_(1))
+    assert not graphs_match_eager(spec, graphs, roots, cache_lens)

@@ -86,10 +86,14 @@ def capture_verify_width(model_runner, width: int, runner_cls=MFDVerifyCudaGraph
     return backend, runner
 
 
-def device_reserved_bytes() -> int:
+def device_held_bytes() -> int:
     """This process's device memory held by torch (workspaces, graph state and graph pools are torch
-    allocations), not the device's free memory, which other processes move."""
-    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+    allocations), not the device's free memory, which other processes move. The allocator's cached free
+    blocks are released first: new graphs could otherwise take them, and the growth would read as nothing."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
 
 
 class VerifyGraphsByWidth:
@@ -103,7 +107,7 @@ class VerifyGraphsByWidth:
         self.model_runner = model_runner
         self.active = int(get_spec().speculative_num_draft_tokens)
         self.states = {self.active: (model_runner.attn_backend, model_runner.decode_cuda_graph_runner)}
-        reserved_before = device_reserved_bytes()
+        held_before = device_held_bytes()
         for width in sorted(set(widths) - {self.active}):
             try:
                 self.states[width] = capture(model_runner, width)
@@ -116,7 +120,7 @@ class VerifyGraphsByWidth:
         # The launch plan counted these (`memory.VerifyGraphPlan`); the GPU check holds it to this figure.
         logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request (the "
                     "extra widths took %.0f MiB of device memory)", sorted(self.states),
-                    (device_reserved_bytes() - reserved_before) / 2**20)
+                    (device_held_bytes() - held_before) / 2**20)
 
     def activate(self, width: int) -> None:
         if width != self.active:
