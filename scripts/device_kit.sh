@@ -39,16 +39,19 @@ KIT_PURE=(annotated-types==0.8.0 compressed-tensors==0.18.0 dill==0.4.1 distro==
 KIT_COMPILED=(apache-tvm-ffi==0.1.11 cffi==2.1.1 msgspec==0.23.0 orjson==3.13.0 pybase64==1.5.1
   pydantic-core==2.50.5 pyzmq==27.3.0 rpds-py==2026.9.1 setproctitle==1.3.8 xgrammar==0.2.7)
 # The device image's versions (shared/notes/device-image.md) of what SGLang imports, for the rehearsal only.
-# numpy: the image has 2.5.2, which needs Python >= 3.12; this machine's Python is 3.11, so 2.4.6 stands in.
+# numpy: the image has 2.5.2, which needs Python >= 3.12; this machine's Python is 3.11, so 2.3.5 stands in (not
+# 2.4: numpy >= 2.4 refuses int() of a 1-element array, which Triton 3.6's interpreter does for a loop bound read
+# from memory, so the rehearsal could not run this project's Triton kernels on the image's Triton).
 IMAGE_TORCH=(torch==2.11.0 triton==3.6.0 torchvision==0.26.0)
 IMAGE_REST=(transformers==5.17.0 tokenizers==0.23.2 safetensors==0.8.0 huggingface-hub==1.33.0
-  accelerate==1.15.0 numpy==2.4.6 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7
+  accelerate==1.15.0 numpy==2.3.5 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7
   anyio==4.16.0 attrs==26.1.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3 click==8.5.1 einops==0.8.2
   filelock==4.3.1 frozenlist==1.8.0 fsspec==2026.9.0 h11==0.16.0 httpcore==1.0.9 httpx==0.28.1 idna==3.20
   jinja2==3.1.6 markupsafe==3.0.4 mpmath==1.3.0 multidict==7.2.1 networkx==3.6.1 packaging==26.4 pillow==13.0.0
   propcache==0.5.4 psutil==7.2.2 pygments==2.21.0 pyyaml==6.0.4 regex==2026.11.19 requests==2.34.2 rich==15.0.0
   sentencepiece==0.2.1 sympy==1.14.0 tqdm==4.70.1 typing-extensions==4.16.0 urllib3==2.8.0 uvloop==0.23.0
   yarl==1.25.1)
+IMAGE_TEST_TOOLS=(pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1)
 PLATFORM_FLAGS=(--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux2014_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64
   --platform manylinux_2_34_x86_64)
@@ -125,6 +128,16 @@ if unused:
 if any(name.endswith(".so") for name, _, _ in kept):
     sys.exit("[device_kit] ERROR: compiled files left in the trimmed sglang (it must stay pure Python): "
              + ", ".join(n for n, _, _ in kept if n.endswith(".so")))
+# Every SGLang internal a hook in patches/ wraps must survive the prune: on the device SGLang would only log
+# a hook it cannot apply (and the plugin refuse to start). scripts/hook_targets.py resolves them statically.
+sys.path.insert(0, str(pathlib.Path(prune_path).parent))
+from hook_targets import hook_targets, unresolved
+kept_sources = {name: data for name, data, _ in kept}
+lost = unresolved(hook_targets(pathlib.Path(prune_path).parents[1] / "patches"),
+                  lambda path: kept_sources[path].decode() if path in kept_sources else None)
+if lost:
+    sys.exit("[device_kit] ERROR: hook targets missing from the trimmed sglang (pruned by "
+             f"{pathlib.Path(prune_path).name}?): " + "; ".join(lost))
 
 # A reproducible archive: sorted entries, fixed times, owners and modes, gzip without a timestamp.
 out = tmp / "kit" / f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}-trimmed.tar.gz"
@@ -226,6 +239,11 @@ rehearsal_env() {
     "$vpy" "${PIP[@]}" install --no-deps "${IMAGE_REST[@]}" >&2
     "$vpy" "${PIP[@]}" download --no-deps --only-binary=:all: -d "$dir/cp311" "${KIT_COMPILED[@]}" >&2
     touch "$dir/.complete"
+  fi
+  # pytest, which the image has too: the GPU check runs its CUDA-graph tests with it
+  if [ ! -f "$dir/.test-tools" ]; then
+    "$dir/venv/bin/python" "${PIP[@]}" install --no-deps "${IMAGE_TEST_TOOLS[@]}" >&2
+    touch "$dir/.test-tools"
   fi
   echo "$dir"
 }

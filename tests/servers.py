@@ -1,11 +1,74 @@
-"""Server helpers for tests: the package's ServerProcess, plus requests against an OpenAI-compatible
-SGLang server that return generated token ids."""
+"""Server helpers for tests: starting real SGLang CPU servers (refused when a hook did not apply), the
+check every server's fixture ends with (idle, healthy, no KV leak), and requests against an
+OpenAI-compatible SGLang server that return generated token ids."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import requests
+
 from mfd_sglang.server_process import (  # noqa: F401 (re-exported)
-    ServerProcess, free_port, generate_ids, log_tail, post_json,
+    ServerProcess, free_port, generate_ids, launch_command, log_tail, post_json,
 )
+
+REPO = Path(__file__).resolve().parents[1]
+# What SGLang 0.5.23's HookRegistry.apply_hooks logs, with the traceback, in any process where a hook's
+# target did not resolve or could not be patched; SGLang then carries on without that hook.
+HOOK_FAILURE = "Failed to apply hooks"
+
+
+def start(cmd: list, log_path: Path, *, port: int, env: dict, startup_timeout: float = 600) -> ServerProcess:
+    """A started server (`/health` answers) whose log shows every HookRegistry hook applied: MFD's
+    exactness on CPU rests on hooks (FULL_MASK, split KV off, the hybrid tree verify, penalties) and
+    SGLang only logs a hook it could not apply. Stopped again when the check fails."""
+    server = ServerProcess(cmd, log_path, port=port, env=env, cwd=REPO, startup_timeout=startup_timeout).start()
+    try:
+        assert_hooks_applied(server)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def assert_hooks_applied(server: ServerProcess) -> None:
+    assert HOOK_FAILURE not in server.log(), f"a hook did not apply:\n{log_tail(server.log_path)}"
+
+
+def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: str | None, budget: int | None, *,
+                 threshold: int | None = None, max_running: int = 4, log_level: str = "warning",
+                 extra_args: tuple[str, ...] = (), extra_env: dict | None = None) -> ServerProcess:
+    """A CPU server on the tiny pair's target (fp32), with `algorithm` and its drafter or (None) without
+    speculation, under SGLang's strict idle KV-leak check (which kills the scheduler on a leak)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("mfd_server") / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env.pop("MFD_SGLANG_SWITCH_THRESHOLD", None)
+    if threshold is not None:
+        env["MFD_SGLANG_SWITCH_THRESHOLD"] = str(threshold)
+    cmd = launch_command(tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter, budget=budget,
+                         dtype="float32", extra_args=[
+                             "--max-total-tokens", "4096", "--context-length", "1024",
+                             "--max-running-requests", str(max_running), "--log-level", log_level, *extra_args])
+    return start(cmd, log, port=port, env=env)
+
+
+def assert_healthy_without_leaks(server: ServerProcess) -> None:
+    server.wait_until_idle()
+    assert requests.get(server.base_url + "/health", timeout=60).status_code == 200, log_tail(server.log_path)
+    assert "memory leak" not in server.log(), log_tail(server.log_path)
+
+
+def served_without_leaks(server: ServerProcess):
+    """A module fixture's body: yield the server to its tests, then check it idle, healthy and leak-free,
+    and stop it (also when the check fails). Use as `yield from served_without_leaks(server)`."""
+    yield server
+    try:
+        assert_healthy_without_leaks(server)
+    finally:
+        server.stop()
 
 
 # --- requests against an OpenAI-compatible SGLang server, returning generated token ids ---------

@@ -6,16 +6,14 @@ plugin's mfd_cpu backend. One server per backend."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import target_greedy
 from mfd_sglang.server_process import launch_command
-from servers import ServerProcess, chat_ids, chat_template_ids, completion_ids, free_port, generate_ids
+from servers import chat_ids, chat_template_ids, completion_ids, free_port, generate_ids, start
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
 USER_MAX_TOTAL_TOKENS = 1536  # given on the command line: must win over the launcher's 8192
 
@@ -31,9 +29,8 @@ def server(request, tiny_pair, tmp_path_factory):
     cmd = launch_command(tiny_pair / "target", port=port, dtype="float32", extra_args=[
         *backend, "--max-total-tokens", str(USER_MAX_TOTAL_TOKENS), "--context-length", "1024",
         "--max-running-requests", "4", "--log-level", "warning"])
-    srv = ServerProcess(cmd, log, port=port, env=env, cwd=REPO, startup_timeout=600)
+    srv = start(cmd, log, port=port, env=env)
     srv.backend = "mfd_cpu" if request.param == "launcher default" else request.param
-    srv.start()
     yield srv
     srv.stop()
 

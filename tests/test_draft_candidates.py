@@ -8,7 +8,7 @@ import torch
 
 from mfd_sglang.drafter import vocab_candidates
 from mfd_sglang.tree import build_mixture_tree, top_candidates
-from test_drafter import HIDDEN, VOCAB, inputs, make_drafter
+from references import HIDDEN, VOCAB, inputs, make_drafter
 
 FIELDS = ("tokens", "parents", "depths", "modes", "valid")
 

@@ -8,7 +8,8 @@ the state after the last accepted node. Both servers must give HF's greedy decod
 (fp32), under concurrency, across chunked prefills (each chunk starts from the state the last one
 left) and from radix-cache hits (a cached prefix's recurrent state instead of a full prefill). The
 launcher adds what hybrid targets need on CPU by itself. (With the tree verified as a chain, the bug
-this guards against, 2 of 8 such prompts came out wrong at B = 8.)"""
+this guards against, 2 of 8 such prompts came out wrong at B = 8.) Which arms the automatic budget times
+after its first ones depends on round times, so only those first ones are checked."""
 
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ import torch
 from conftest import target_greedy
 from mfd_sglang.lab.tiny import make_tiny
 from mfd_sglang.server_process import launch_command
-from servers import ServerProcess, free_port, generate_ids
+from servers import free_port, generate_ids, start
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 24
 SERVERS = {"MFD B=8": ("MFD", 8), "MFD_D auto": ("MFD_D", "auto")}
 
@@ -68,9 +68,8 @@ def hybrid_server(request, hybrid_pair, tmp_path_factory):
     cmd = launch_command(hybrid_pair / "target", port=port, dtype="float32", algorithm=algorithm,
                          drafter=hybrid_pair / "drafter", budget=16 if budget == "auto" else budget, extra_args=[
                              "--context-length", "512", "--max-running-requests", "8", "--chunked-prefill-size", "8"])
-    srv = ServerProcess(cmd, log, port=port, env=env, cwd=REPO, startup_timeout=600)
+    srv = start(cmd, log, port=port, env=env)
     srv.auto_budget = budget == "auto"
-    srv.start()
     yield srv
     srv.stop()
 
@@ -115,11 +114,13 @@ def test_concurrent_chunked_and_cached_prefills_match_hf_greedy(hybrid_server, h
     alone = [generate_ids(hybrid_server, p, MAX_NEW) for p in hybrid_prompts]
     assert [ids for ids, _ in alone] == hybrid_greedy
     assert max(meta.get("cached_tokens", 0) for _, meta in alone) > 0, "no radix-cache hit happened"
-    # The trees were verified and accepted, not bypassed (the automatic budget also plays budget 0).
+    # The trees were verified and accepted, not bypassed: at B = 8 as the drafter's greedy acceptance makes
+    # it; under the automatic budget (which may choose budget 0 after) at least in its first rounds, where it
+    # plays each drafting path's largest tree whatever the round times.
     rounds = sum(meta["spec_verify_ct"] for _, meta in together + alone)
-    assert rounds < (0.9 if hybrid_server.auto_budget else 0.5) * MAX_NEW * len(together + alone)
+    assert rounds < (1 if hybrid_server.auto_budget else 0.5) * MAX_NEW * len(together + alone)
     log = hybrid_server.log_path.read_text()
     assert "--mamba-radix-cache-strategy no_buffer" in log and "--disable-overlap-schedule" in log
     if hybrid_server.auto_budget:
         played = set(re.findall(r"timing (budget \d+, [\w-]+ draft)", log))
-        assert len(played) >= 3 and {p.split(", ")[1] for p in played} == {"K-mode draft", "single-mode draft"}, played
+        assert {"budget 16, K-mode draft", "budget 16, single-mode draft"} <= played, played

@@ -1,5 +1,6 @@
-"""The plugin's memory plan: the draft + tree working set it plans is an upper bound of what one round
-really allocates (measured on a Qwen3-4B-shaped drafter), and not a loose one; the drafter context it
+"""The plugin's memory plan: the draft + tree working set and the verify working set it plans are upper
+bounds of what one round really allocates (measured on a Qwen3-4B-shaped drafter; on Qwen3's vocabulary),
+and not loose ones; the drafter context it
 leaves to SGLang is what SGLang reserves; the automatic budget's extra verify windows are counted as
 SGLang's backends allocate them; at launch it comes out of SGLang's default static fraction."""
 
@@ -21,6 +22,7 @@ from mfd_sglang.serving.memory import VerifyGraphPlan, memory_plan, reserve_in_m
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from draft_memory import QWEN3_4B_DRAFTER  # noqa: E402
+from verify_memory import KINDS as VERIFY_KINDS, measure  # noqa: E402
 
 
 def test_planned_draft_memory_bounds_the_measured_allocations():
@@ -66,8 +68,19 @@ def test_plan_grows_with_batch_and_budget():
     assert plan.weight_bytes == 1_000_000_000
     assert plan.extra_bytes(48) > plan.extra_bytes(8) > plan.extra_bytes(1)
     assert _plan(budget=128).verify_bytes(8) > plan.verify_bytes(8)
-    # The verify logits of 48 requests x 65 nodes x 151936 float32, twice: 3.8 GB.
-    assert plan.verify_bytes(48) == 2 * 48 * 65 * 151936 * 4
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_planned_verify_memory_bounds_what_a_round_holds(bs):
+    """One verify + accept round at B = 16 over Qwen3's vocabulary (151936), measured on CPU by the live
+    tensor bytes it holds (`benchmarks/verify_memory.py`): the plan bounds every request kind, and it is
+    not a loose bound for the dearest, T > 0 (the largest term of the whole plan: 16 GB at 48 requests
+    and B = 64)."""
+    rows = {kind: measure(bs, 16, 151936, kind) for kind in VERIFY_KINDS}
+    for row in rows.values():
+        assert row["measured"] <= row["planned"], row
+    dearest = max(rows.values(), key=lambda row: row["measured"])
+    assert dearest["kind"].startswith("sampled") and dearest["planned"] <= 1.1 * dearest["measured"], rows
 
 
 def test_tensor_parallel_ranks_count_the_gathered_vocabulary():

@@ -26,9 +26,9 @@ from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.hf import SpeculativeGenerator, load_target
 from mfd_sglang.patches.request_checks import unsupported_request_features
 from mfd_sglang.server_process import launch_command, stream_then_abort
-from servers import (ServerProcess, chat_ids, chat_template_ids, completion_ids, free_port, generate_ids,
-                     log_tail)
-from test_verify import TOP_K_ALL, reference_sample
+from references import TOP_K_ALL, reference_sample
+from servers import (assert_healthy_without_leaks, chat_ids, chat_template_ids, completion_ids, free_port,
+                     generate_ids, log_tail, served_without_leaks, start_server)
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
@@ -43,39 +43,6 @@ SERVERS = [
     ("MFD_D", 1, "mfd", 1, False, 1),  # budget 1; threshold 1: the single-mode path in every round
     ("MFD_D", 32, "mfd", 1, True, 16),
 ]
-
-
-def start_server(tmp_path_factory, tiny_pair, drafter: Path, algorithm: str, budget: int, *,
-                 threshold: int | None = None, max_running: int = 4, log_level: str = "warning",
-                 extra_args: tuple[str, ...] = (), extra_env: dict | None = None) -> ServerProcess:
-    port = free_port()
-    log = tmp_path_factory.mktemp("mfd_server") / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
-    env.setdefault("OMP_NUM_THREADS", "2")
-    env.pop("MFD_SGLANG_SWITCH_THRESHOLD", None)
-    if threshold is not None:
-        env["MFD_SGLANG_SWITCH_THRESHOLD"] = str(threshold)
-    cmd = launch_command(tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter, budget=budget,
-                         dtype="float32", extra_args=[
-                             "--max-total-tokens", "4096", "--context-length", "1024",
-                             "--max-running-requests", str(max_running), "--log-level", log_level, *extra_args])
-    return ServerProcess(cmd, log, port=port, env=env, cwd=REPO, startup_timeout=600).start()
-
-
-def assert_healthy_without_leaks(server: ServerProcess) -> None:
-    server.wait_until_idle()
-    assert requests.get(server.base_url + "/health", timeout=60).status_code == 200, log_tail(server.log_path)
-    assert "memory leak" not in server.log(), log_tail(server.log_path)
-
-
-def served_without_leaks(server: ServerProcess):
-    """A module fixture's body: yield the server to its tests, then check it idle, healthy and leak-free,
-    and stop it (also when the check fails). Use as `yield from served_without_leaks(server)`."""
-    yield server
-    try:
-        assert_healthy_without_leaks(server)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module", params=SERVERS,

@@ -39,8 +39,17 @@ SHAPES = [
 ]
 
 
-def case_interpreter(device="cpu", dtypes=(torch.float32, torch.float16)):
-    for seed, (bs, modes, block, heads, kv_heads, dim, lens) in enumerate(SHAPES):
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+def case_name(shape, dtype) -> str:
+    return f"{'x'.join(str(n) for n in shape[:-1])}-{'/'.join(map(str, shape[-1]))}-{str(dtype)[6:]}"
+
+
+def case_interpreter(device="cpu", dtypes=INTERPRETER_DTYPES):
+    """Each shape and dtype; prints the case's name when it passed."""
+    for seed, shape in enumerate(SHAPES):
+        bs, modes, block, heads, kv_heads, dim, lens = shape
         for dtype in dtypes:
             case = random_case(seed, bs, modes, block, heads, kv_heads, dim, lens, dtype, device)
             want = mode_attention(**{k: (v.float() if v.is_floating_point() else v) for k, v in case.items()},
@@ -49,13 +58,17 @@ def case_interpreter(device="cpu", dtypes=(torch.float32, torch.float16)):
             tol = 1e-4 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol,
                                        msg=lambda m: f"{(bs, modes, block, heads, kv_heads, dim, lens)} {dtype}: {m}")
+            print(case_name(shape, dtype), flush=True)
 
 
 def test_interpreter_matches_reference():
+    """Every shape and dtype in one interpreter process; its stdout lists the cases that passed and its
+    traceback names the one that failed."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, __file__], cwd=Path(__file__).resolve().parents[1], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert result.stdout.split() == [case_name(shape, dtype) for shape in SHAPES for dtype in INTERPRETER_DTYPES]
 
 
 def test_triton_on_cpu_without_interpreter_raises():

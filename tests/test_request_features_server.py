@@ -23,8 +23,7 @@ import pytest
 import requests
 
 from conftest import target_greedy
-from servers import generate_ids, post_json
-from test_mfd_server import assert_healthy_without_leaks, served_without_leaks, start_server
+from servers import assert_healthy_without_leaks, generate_ids, post_json, served_without_leaks, start_server
 
 MAX_NEW = 24
 # (name, sampling params): each changes this prompt's plain greedy output (checked).

@@ -3,7 +3,7 @@ server's law and a request's sampling_seed fixes its output.
 
 - Law: the first three tokens of many requests at temperature 2 with top-k, top-p and min-p, from an
   MFD server (one sampling_seed per request: a fixed outcome) and from a plain server, against the
-  exact joint law that SGLang's own sampler function (`tests/test_verify.py: sglang_law`) gives on the
+  exact joint law that SGLang's own sampler function (`tests/references.py: sglang_law`) gives on the
   HF target's logits; chi-square at 0.001. The plain server's run shows the reference is its law.
   The setting keeps more tokens than top-k, renormalise, then top-p would.
 - Seeds: a seeded request gives the same tokens alone and among concurrent requests, and they are
@@ -20,9 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from servers import generate_ids
-from test_mfd_server import served_without_leaks, start_server
-from test_verify import TOP_K_ALL, assert_follows, reference_sample, sglang_law
+from references import TOP_K_ALL, assert_follows, reference_sample, sglang_law
+from servers import generate_ids, served_without_leaks, start_server
 
 PROMPT = "hello , what next ?"
 # temperature, top_k, top_p, min_p: at most of this prompt's first three steps top-k 3 and top-p .55

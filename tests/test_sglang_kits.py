@@ -1,8 +1,14 @@
 """SGLang 0.5.23's own server test kits (`sglang/test/kits/`, shipped in its wheel) against real CPU servers
-on SmolLM2-135M-Instruct (fp32) with the shipped drafter: the plain server, MFD and MFD_D each run every kit
-test below. A kit test that passes on the plain server must pass on both MFD servers; the few that fail on
-the plain server are marked as expected failures there (`PLAIN_FAILS`, each with its reason), so a change
-either way shows.
+on SmolLM2-135M-Instruct (fp32) with the shipped drafter: the plain server, MFD and MFD_D.
+
+In CI: MFD_D runs every kit test below; MFD runs the cheapest test of each kit class (`MFD_CI_TESTS`) on one
+server. MFD_SGLANG_ALL_KITS=1 runs every kit test on MFD and on the plain server too, and the 8k-token
+prompt. A kit test that passes on the plain server must pass on MFD and MFD_D. The few whose check SmolLM2
+fails on the plain server (`PLAIN_FAILS`, each with its reason) fail it on MFD's servers for the same
+reason, their answers being the plain server's: there the kit test's requests are sent to a plain server
+too (`plain_reference`, started on first use) and the answers must be equal, token for token; on the plain
+server itself the kit's check must fail on answers that came back 200. The kit tests of speculation itself
+(`SPECULATIVE_ONLY`) are not run on the plain server.
 
 Scaled for 2 CPU cores, sizes only (every assertion is the kit's own):
 - generated lengths are capped at `MAX_NEW_TOKENS` in the speculative kits (they ask up to 1024) and at
@@ -19,22 +25,25 @@ drafters (3.1, 1.75); here they are set below what the shipped drafter reaches o
 text, while the drafter was trained on chat-templated answers): measured 1.33 (MFD) and 1.31 (MFD_D) for
 one request, 1.78 (MFD) and 1.75 (MFD_D) for the batch of four, with the drafters of 2026-12-02.
 
-The test suite runs the kits on MFD_D (about 5 minutes on 2 cores); MFD_SGLANG_ALL_KITS=1 adds the plain
-server and MFD (about 12 minutes more) and the 8k-token prompt.
+On 2 cores: MFD_D's kits about 5 minutes, MFD's CI tests and the plain reference about 3 minutes more;
+MFD_SGLANG_ALL_KITS=1 about 12 minutes more than that.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
+import sys
 import tempfile
+import threading
 import unittest
 from unittest import mock
 
 import requests
 
 from mfd_sglang.lab import smollm2
-from mfd_sglang.server_process import ServerProcess, free_port, launch_command
+from servers import ServerProcess, assert_healthy_without_leaks, free_port, launch_command, start
 from sglang.test.kits import radix_cache_server_kit, spec_server_kits
 from sglang.test.kits.abort_timeout_kit import AbortAllMixin
 from sglang.test.kits.basic_api_contract_kit import BasicAPIContractMixin
@@ -46,7 +55,6 @@ from sglang.test.kits.spec_server_kits import (
 )
 from sglang.test.server_fixtures import spec_eagle_fixture
 from sglang.test.server_fixtures.spec_eagle_fixture import SpecEagleServerBase
-from test_mfd_server import assert_healthy_without_leaks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRAFTER = os.path.join(REPO, "drafters", "smollm2-135m", "mfd")
@@ -55,6 +63,7 @@ MAX_NEW_TOKENS = 64
 HELPER_MAX_NEW_TOKENS = 32  # the fixture's send_request / run_decode: their kits only check the status
 LOGPROB_SWEEP_DIVISOR = 20
 RADIX_NODES, RADIX_CHUNK = 24, 16
+MAX_RUNNING_REQUESTS = 32
 ALL_KITS = os.environ.get("MFD_SGLANG_ALL_KITS") == "1"
 
 
@@ -88,11 +97,44 @@ def _scaled_logprob_check(check, test, args):
                         return_logprob, top_logprobs_num))
 
 
+def start_kit_server(algorithm: str | None, name: str) -> ServerProcess:
+    """A CPU server on SmolLM2-135M-Instruct (fp32) for the kits, with `algorithm` (None: no speculation)
+    and the shipped drafter at tree budget `BUDGET`, under SGLang's strict idle KV-leak check."""
+    model = str(smollm2.prepare_target(progress=False).path)
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1")
+    env.setdefault("OMP_NUM_THREADS", "2")
+    cmd = launch_command(model, port=port, algorithm=algorithm, drafter=DRAFTER,
+                         budget=BUDGET if algorithm else None, dtype="float32", extra_args=[
+                             "--max-running-requests", str(MAX_RUNNING_REQUESTS),
+                             "--max-total-tokens", "20000", "--log-level", "warning"])
+    return start(cmd, os.path.join(tempfile.mkdtemp(prefix="mfd-kits-"), f"{name}.log"), port=port, env=env)
+
+
+_plain_reference: list[ServerProcess] = []
+
+
+def plain_reference() -> ServerProcess:
+    """The plain server the MFD servers' answers to `PLAIN_FAILS` requests are held to: started on first
+    use, beside the kit class's own server, and checked and stopped when the module ends."""
+    if not _plain_reference:
+        _plain_reference.append(start_kit_server(None, "plain-reference"))
+    return _plain_reference[0]
+
+
+def tearDownModule():
+    for server in _plain_reference:
+        try:
+            assert_healthy_without_leaks(server)
+        finally:
+            server.stop()
+
+
 class KitServer(SpecEagleServerBase):
-    """A CPU server on SmolLM2-135M-Instruct (fp32) for the kits; `algorithm` None serves without speculation."""
+    """A kit class's server (`start_kit_server`); `algorithm` None serves without speculation."""
 
     algorithm: str | None = None
-    max_running_requests = 32
+    max_running_requests = MAX_RUNNING_REQUESTS
     abort_all_max_new_tokens = 4000  # the kit's 16000 is beyond SmolLM2's context (8192)
     # Set below what the shipped drafter reaches on the kit's prompts (see the module docstring); the kit's
     # defaults (3.1, 1.75) are for large GPU drafters.
@@ -115,15 +157,7 @@ class KitServer(SpecEagleServerBase):
         ]
         for patch in cls._patches:
             patch.start()
-        port = free_port()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1")
-        env.setdefault("OMP_NUM_THREADS", "2")
-        cmd = launch_command(cls.model, port=port, algorithm=cls.algorithm, drafter=DRAFTER,
-                             budget=BUDGET if cls.algorithm else None, dtype="float32", extra_args=[
-                                 "--max-running-requests", str(cls.max_running_requests),
-                                 "--max-total-tokens", "20000", "--log-level", "warning"])
-        log = os.path.join(tempfile.mkdtemp(prefix="mfd-kits-"), f"{cls.__name__}.log")
-        cls.server = ServerProcess(cmd, log, port=port, env=env, cwd=REPO).start()
+        cls.server = start_kit_server(cls.algorithm, cls.__name__)
         cls.base_url = cls.server.base_url
         cls.process = cls.server.proc
 
@@ -142,39 +176,118 @@ class KitServer(SpecEagleServerBase):
 KITS = (SpecCorrectnessKit, SpecLogprobKit, SpecPenaltyKit, SpecFeatureKit, SpecGrammarKit, SpecSamplingMaskKit,
         MatchedStopMixin, BasicAPIContractMixin, BasicDecodeCorrectnessMixin, BasicSchedulerStressMixin, AbortAllMixin)
 
-# Kit tests that fail on the plain server, and why. They are expected failures on every server here (MFD's
-# output is the plain server's), so an MFD server that passes one differs from the plain server and fails.
+# Kit tests whose check fails on the plain server, and why.
 PLAIN_FAILS = {
     "test_basic_math": "SmolLM2-135M answers 17, not 391",
     "test_concurrent_requests": "SmolLM2-135M names none of the 8 capitals after the kit's one-word prefix",
     "test_constrained_decoding": "SmolLM2-135M's JSON object does not close (uncapped, it ran past 2000 tokens)",
 }
-# Kit tests of speculation itself: they fail on the plain server by definition (no verify rounds).
+# Kit tests of speculation itself: the plain server has no verify rounds to report.
 SPECULATIVE_ONLY = {"test_acc_length", "test_grammar_logprob_count_matches_completion_tokens",
                     "test_grammar_structured_output_no_trailing_tokens"}
+# MFD's kit tests in CI: per kit class its cheapest test on MFD_D (2 cores), among those whose check SmolLM2
+# passes (SpecFeatureKit's cheapest, test_constrained_decoding, is in PLAIN_FAILS; MFD_D covers it), and for
+# the API contract the cheapest that generates (/health_generate) rather than /get_server_info.
+MFD_CI_TESTS = {
+    SpecCorrectnessKit: "test_first_token_finish",  # 0.7 s
+    SpecLogprobKit: "test_logprob_start_len",  # 0.7 s
+    SpecPenaltyKit: "test_penalty_mixed",  # 36 s, its only test
+    SpecFeatureKit: "test_radix_attention",  # 14 s
+    SpecGrammarKit: "test_grammar_logprob_count_matches_completion_tokens",  # 2.6 s
+    SpecSamplingMaskKit: "test_sampling_mask",  # 1.9 s
+    MatchedStopMixin: "test_finish_length",  # 1.7 s
+    BasicAPIContractMixin: "test_health_generate",  # 1.0 s
+    BasicDecodeCorrectnessMixin: "test_max_token_one",  # 0.1 s
+    BasicSchedulerStressMixin: "test_streaming_response",  # 1.8 s
+    AbortAllMixin: "test_abort_all",  # 2.6 s
+}
+assert set(MFD_CI_TESTS) == set(KITS) and all(name in vars(kit) for kit, name in MFD_CI_TESTS.items())
 
 
-def expecting_failure(cls, names) -> None:
-    """Mark these kit tests of `cls` as expected failures (a wrapper each: marking the kit's own function
-    would mark it for every class)."""
+class _Recording:
+    """`requests` as a kit module sees it, keeping each POST's path, payload (as sent: after any cap) and
+    answer."""
+
+    def __init__(self, inner, base_url: str):
+        self.inner, self.base_url = inner, base_url
+        self.exchanges: list[tuple[str, dict, int, object]] = []
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def post(self, url, json=None, **kwargs):
+        response = self.inner.post(url, json=json, **kwargs)
+        with self.lock:
+            self.exchanges.append((url[len(self.base_url):], copy.deepcopy(json), response.status_code,
+                                   response.json() if response.status_code == 200 else response.text))
+        return response
+
+
+def run_recorded(test, kit_test) -> tuple[list, AssertionError | None]:
+    """Run a kit test with its module's POSTs recorded: (the exchanges, the kit's failed assertion or None)."""
+    module = sys.modules[kit_test.__module__]
+    recording = _Recording(module.requests, test.base_url)
+    with mock.patch.object(module, "requests", recording):
+        try:
+            kit_test(test)
+        except AssertionError as failure:
+            return recording.exchanges, failure
+    return recording.exchanges, None
+
+
+def generated(answer) -> object:
+    """What an answer of /generate or of the OpenAI API generated: text, token ids where given, finish
+    reason and token count (per prompt or choice)."""
+    if isinstance(answer, list):
+        return [generated(item) for item in answer]
+    if "choices" in answer:
+        return ([(c.get("message", {}).get("content", c.get("text")), c.get("finish_reason")) for c in answer["choices"]],
+                answer.get("usage", {}).get("completion_tokens"))
+    meta = answer["meta_info"]
+    return answer["text"], answer.get("output_ids"), meta["finish_reason"], meta["completion_tokens"]
+
+
+def answers_as_the_plain_server(kit_test, reason: str):
+    """On an MFD server, a kit test in PLAIN_FAILS: its requests get the plain server's answers, which is
+    why the kit's check fails here as there (`reason`)."""
+    @functools.wraps(kit_test)
+    def test(self):
+        exchanges, _ = run_recorded(self, kit_test)
+        self.assertTrue(exchanges, "the kit test sent no request")
+        plain = plain_reference()
+        for path, payload, status, answer in exchanges:
+            self.assertEqual(status, 200, answer)
+            reference = requests.post(plain.base_url + path, json=payload, timeout=600)
+            self.assertEqual(reference.status_code, 200, reference.text)
+            self.assertEqual(generated(answer), generated(reference.json()), f"{path} {payload}")
+    return test
+
+
+def fails_the_kits_check(kit_test, reason: str):
+    """On the plain server, a kit test in PLAIN_FAILS: answered (every request 200), and the kit's check
+    fails (`reason`)."""
+    @functools.wraps(kit_test)
+    def test(self):
+        exchanges, failure = run_recorded(self, kit_test)
+        self.assertTrue(exchanges, "the kit test sent no request")
+        self.assertEqual([status for _, _, status, _ in exchanges], [200] * len(exchanges), exchanges)
+        self.assertIsNotNone(failure, f"the kit's check passed, so this no longer holds: {reason}")
+    return test
+
+
+def replace_tests(cls, names, make) -> None:
+    """Give `cls` its own test for each of these kit tests (`make(kit_test, name)`): changing the kit's own
+    function would change it for every class."""
     for name in names:
-        def test(self, _kit_test=getattr(cls, name)):
-            return _kit_test(self)
-        setattr(cls, name, unittest.expectedFailure(functools.wraps(getattr(cls, name))(test)))
+        setattr(cls, name, make(getattr(cls, name), name))
 
 
-only_with_all_kits = unittest.skipUnless(
-    ALL_KITS,
-    "the test suite runs the kits on MFD_D (both drafting paths: K modes for a request alone, the single "
-    "mode when batched); MFD_SGLANG_ALL_KITS=1 adds the plain server and MFD (about 12 minutes more)")
-
-
-@only_with_all_kits
+@unittest.skipUnless(ALL_KITS, "the plain server's kits run with MFD_SGLANG_ALL_KITS=1")
 class TestPlainServerKits(KitServer, *KITS):
     algorithm = None
 
 
-@only_with_all_kits
 class TestMFDServerKits(KitServer, *KITS):
     algorithm = "MFD"
 
@@ -187,9 +300,15 @@ class TestMFDDServerKits(KitServer, *KITS):
         BasicSchedulerStressMixin.test_long_prompt(self)
 
 
-expecting_failure(TestPlainServerKits, PLAIN_FAILS.keys() | SPECULATIVE_ONLY)
-expecting_failure(TestMFDServerKits, PLAIN_FAILS)
-expecting_failure(TestMFDDServerKits, PLAIN_FAILS)
+replace_tests(TestPlainServerKits, PLAIN_FAILS, lambda test, name: fails_the_kits_check(test, PLAIN_FAILS[name]))
+replace_tests(TestPlainServerKits, SPECULATIVE_ONLY, lambda test, name: unittest.skip(
+    "a kit test of speculation: the plain server has no verify rounds")(test))
+replace_tests(TestMFDServerKits, PLAIN_FAILS, lambda test, name: answers_as_the_plain_server(test, PLAIN_FAILS[name]))
+replace_tests(TestMFDDServerKits, PLAIN_FAILS, lambda test, name: answers_as_the_plain_server(test, PLAIN_FAILS[name]))
+if not ALL_KITS:
+    replace_tests(TestMFDServerKits, {name for name in dir(TestMFDServerKits) if name.startswith("test")}
+                  - set(MFD_CI_TESTS.values()), lambda test, name: unittest.skip(
+                      "CI runs MFD_CI_TESTS on MFD; MFD_SGLANG_ALL_KITS=1 runs every kit test")(test))
 
 
 if __name__ == "__main__":

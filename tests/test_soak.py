@@ -1,4 +1,4 @@
-"""The soak benchmark's short version (`benchmarks/soak.py`, 20 minutes there): 60 s of mixed requests
+"""The soak benchmark's short version (`benchmarks/soak.py`, 20 minutes there): 20 s of mixed requests
 (greedy exact against the target, penalised greedy exact, seeded T = 1 reproducible, aborted streams) from
 three clients against an MFD server on the tiny pair whose KV pool holds fewer requests than are sent,
 with SGLang's strict idle leak check; the server ends idle, healthy, at its warm-up idle KV usage and

@@ -1,9 +1,10 @@
 """Tensor parallelism on real SGLang CPU servers (`--tp-size 2`: two scheduler processes, one core
 each, gloo collectives; the make-tiny pair in fp32). Plain decoding, MFD and MFD_D at TP 2 emit the
-target's greedy tokens for concurrent requests; sampled (T = 1) requests run to their length on MFD
-and MFD_D, and greedy requests that follow are still exact, which they would not be if the two ranks'
-trees or accepted paths had parted (their KV caches would differ and the all-reduced logits with
-them), and nothing hangs. Every server ends idle, healthy and leak-free."""
+target's greedy tokens for concurrent requests; on MFD and MFD_D, seeded T = 1 requests (among an
+unseeded one, alone and batched) emit exactly the single-rank reference's samples, and greedy requests
+that follow are still exact, which they would not be if the two ranks' trees or accepted paths had
+parted (their KV caches would differ and the all-reduced logits with them), and nothing hangs. Every
+server ends idle, healthy and leak-free."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import pytest
 import requests
 
 from conftest import target_greedy
-from servers import generate_ids, log_tail
-from test_mfd_server import served_without_leaks, start_server
+from references import TOP_K_ALL, reference_sample
+from servers import generate_ids, log_tail, served_without_leaks, start_server
 
 MAX_NEW = 24
+SAMPLING = (1.0, TOP_K_ALL, 0.9, 0.0)  # temperature, top_k, top_p, min_p
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per rank
 
 
@@ -47,11 +49,26 @@ def test_tp2_serves_concurrent_requests_exactly(tp_server, hf_target, tiny_promp
         assert sum(meta["spec_verify_ct"] for _, meta in outs) < len(prompts) * MAX_NEW  # it speculated
 
 
-def test_tp2_sampled_requests_keep_the_ranks_together(tp_server, hf_target, tiny_prompts):
+def test_tp2_seeded_sampling_equals_the_single_rank_reference(tp_server, hf_target, tiny_prompts):
+    """T = 1 (top-p 0.9) at TP 2, four requests at once (MFD_D: its single-mode path), three with a seed
+    and one without (its seed is drawn on each rank: rank 0's accepted path is every rank's), then a
+    seeded one alone (MFD_D: the K-mode path): each seeded output is plain sampling of the single-rank
+    HF target with its seed's coins (`reference_sample`, as the TP 1 tests hold it), and a greedy
+    request after them is still exact, which it would not be had the ranks' trees or accepted paths
+    parted. Plain SGLang samples with its own seeded sampler, not MFD's coins: not compared here."""
+    if tp_server.algorithm is None:
+        pytest.skip("plain SGLang's seeded sampler is not MFD's coin stream: no single-rank reference here")
     model, tok = hf_target
     prompts = prompt_ids(tok, tiny_prompts)
+    seeds = [11, 12, 13, None]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        sampled = list(pool.map(lambda ids: generate_ids(tp_server, ids, MAX_NEW, temperature=1.0, top_p=0.9), prompts))
+        sampled = list(pool.map(lambda i: generate_ids(tp_server, prompts[i], MAX_NEW, temperature=1.0, top_p=0.9,
+                                                       **({} if seeds[i] is None else {"sampling_seed": seeds[i]})),
+                                range(len(prompts))))
+    alone, _ = generate_ids(tp_server, prompts[3], MAX_NEW, temperature=1.0, top_p=0.9, sampling_seed=14)
+    for ids, seed, got in [*zip(prompts, seeds, [out for out, _ in sampled]), (prompts[3], 14, alone)]:
+        if seed is not None:
+            assert got == reference_sample(model, ids, MAX_NEW, SAMPLING, seed), (seed, log_tail(tp_server.log_path))
     assert all(meta["completion_tokens"] == MAX_NEW for _, meta in sampled)
     got, _ = generate_ids(tp_server, prompts[0], MAX_NEW)
     assert got == target_greedy(model, prompts[0], MAX_NEW), log_tail(tp_server.log_path)

@@ -1,8 +1,6 @@
 """Tree verification against a plain walk (greedy) and, sampling, against SGLang's plain sampler:
 its law (from its own function), the distribution of the tree's draws (chi-square), seeded streams."""
 
-import math
-
 import pytest
 import torch
 
@@ -10,6 +8,7 @@ from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.verify import (Sampling, plain_law, random_seeds, sample_from_logits, stream_coins,
                                sub_budget_accept_lens, verify_tree_greedy, verify_tree_sampling)
+from references import TOP_K_ALL, assert_follows, sglang_law
 
 
 def plain_walk(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
@@ -140,51 +139,10 @@ def test_greedy_crafted_paths() -> None:
 
 
 # --- sampling: SGLang's plain law, lossless tree walk, seeded streams ------------------------------
-TOP_K_ALL = 1 << 30  # SGLang's top_k for "no top-k"
-
-
-def sglang_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
-               max_top_k: int | None = None) -> torch.Tensor:
-    """The distribution [rows, V] (token order) of SGLang's plain sampler, from its own code: the
-    pytorch backend's `top_k_top_p_min_p_sampling_from_probs_torch` after what `Sampler.forward`
-    does first (logits / temperature, softmax). Its filtered weights, normalised."""
-    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
-
-    rows = logits.shape[0]
-    probs = torch.softmax(logits.float() / torch.full((rows, 1), temperature), dim=-1)
-    _, kept, ids, _ = top_k_top_p_min_p_sampling_from_probs_torch(
-        probs, torch.full((rows,), top_k, dtype=torch.int32), torch.full((rows,), top_p),
-        torch.full((rows,), min_p), True, None, torch.zeros(rows, dtype=torch.long),
-        return_filtered_probs=True, max_top_k=max_top_k)
-    weights = torch.zeros_like(probs).scatter_(-1, ids.long(), kept)
-    return weights / weights.sum(-1, keepdim=True)
-
-
 def sampling(bs: int, temperature: float, top_k: int, top_p: float, min_p: float,
              seeds: torch.Tensor | None = None, max_top_k: int | None = None) -> Sampling:
     return Sampling(torch.full((bs,), temperature), torch.full((bs,), top_k), torch.full((bs,), top_p),
                     torch.full((bs,), min_p), torch.arange(bs) if seeds is None else seeds, max_top_k)
-
-
-def chi_square_critical(df: int, z: float = 3.09) -> float:
-    """Upper quantile of chi-square(df) (Wilson-Hilferty; z = 3.09: significance 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def assert_follows(counts: dict, expected: dict, what: str = "") -> None:
-    """Counts of outcomes follow the probabilities `expected` (outcome -> p): nothing outside its
-    support, and a chi-square test at significance 0.001 with cells of expected count < 5 pooled."""
-    total = sum(counts.values())
-    outside = {k: c for k, c in counts.items() if expected.get(k, 0.0) == 0.0}
-    assert not outside, f"{what}: drawn outside the law's support: {outside}"
-    small = [k for k, p in expected.items() if p * total < 5]
-    cells = [(expected[k] * total, counts.get(k, 0)) for k in expected if k not in small]
-    if small:
-        cells.append((sum(expected[k] for k in small) * total, sum(counts.get(k, 0) for k in small)))
-    assert len(cells) >= 2, f"{what}: a single cell tests nothing"
-    chi2 = sum((o - e) ** 2 / e for e, o in cells)
-    critical = chi_square_critical(len(cells) - 1)
-    assert chi2 < critical, f"{what}: chi-square {chi2:.1f} >= {critical:.1f}: {counts} vs {expected}"
 
 
 def law_dict(probs: torch.Tensor) -> dict[int, float]:
@@ -391,17 +349,3 @@ def test_cuda_pipeline_matches_cpu_without_host_sync() -> None:
     for cuda_part, cpu_part in zip(pipeline("cuda"), pipeline("cpu")):
         for name, value in vars(cpu_part).items():
             torch.testing.assert_close(getattr(cuda_part, name).cpu(), value, msg=name)
-
-
-def reference_sample(model, input_ids: list[int], max_new_tokens: int, settings: tuple, seed: int) -> list[int]:
-    """Plain autoregressive sampling of an HF model with `sample_from_logits` and the coins of `seed`
-    (settings: temperature, top_k, top_p, min_p): what a seeded request must give, whatever the
-    tree, the drafter or the batch."""
-    out: list[int] = []
-    row = Sampling(*(torch.tensor([v]) for v in settings), torch.tensor([seed]))
-    with torch.inference_mode():
-        while len(out) < max_new_tokens:
-            logits = model(torch.tensor([input_ids + out])).logits[0, -1:]
-            # The draw after the token at position len - 1 uses that position's coin.
-            out.append(int(sample_from_logits(logits, row, torch.tensor([len(input_ids) + len(out) - 1]))[0]))
-    return out

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mfd_sglang.cuda_graph import host_syncs_raise
-from mfd_sglang.drafter import _from_rank_keys, _rank_keys, vocab_candidates
+from mfd_sglang.drafter import vocab_candidates
 from mfd_sglang.tree import DraftCandidates
-from test_drafter import HIDDEN, VOCAB, inputs, make_drafter
+from references import HIDDEN, VOCAB, inputs, make_drafter
 
 CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -29,12 +29,12 @@ def small_ints(seed: int, shape, low: int = -3, high: int = 4) -> torch.Tensor:
 
 
 def reference_top(hidden: torch.Tensor, weight: torch.Tensor, count: int):
-    """(logits, ids) of the top min(count, V) of the full logits, ranked and decoded like the torch
-    reference, and the float64 log-normaliser."""
-    full = (hidden @ weight.T).float()
-    ids = torch.arange(weight.shape[0], device=hidden.device)
-    logits, ids = _from_rank_keys(_rank_keys(full, ids).topk(min(count, weight.shape[0]), dim=-1).values)
-    return logits, ids, torch.logsumexp(full.double(), dim=-1)
+    """(logits, ids) of the top min(count, V) of the full logits by a stable descending sort (equal
+    logits: the lower id first; -0.0 is 0.0, which adding 0.0 makes it), and the float64 log-normaliser."""
+    full = (hidden @ weight.T).float() + 0.0
+    logits, ids = full.sort(dim=-1, descending=True, stable=True)
+    keep = min(count, weight.shape[0])
+    return logits[..., :keep], ids[..., :keep], torch.logsumexp(full.double(), dim=-1)
 
 
 def assert_exact(hidden: torch.Tensor, weight: torch.Tensor, count: int, *, sync_check: bool = False,
@@ -133,17 +133,16 @@ def case_drafter(device="cpu", dtypes=(torch.float32,), sync_check=False):
 CASES = {fn.__name__: fn for fn in (case_shapes, case_ties, case_drafter)}
 
 
-def run_interpreted(*cases: str) -> None:
+def test_interpreter_matches_torch() -> None:
+    """Every case in one interpreter process (triton's import is paid once); its stdout lists the cases
+    that ran to their end and its traceback names the one that failed."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(
-        [sys.executable, __file__, *cases], cwd=root, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, __file__, *CASES], cwd=root, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-
-
-def test_interpreter_matches_torch() -> None:
-    run_interpreted(*CASES)  # one subprocess: triton's import is paid once
+    assert result.stdout.split() == list(CASES)  # each case ran to its end
 
 
 def test_unknown_backend_is_refused() -> None:
@@ -218,3 +217,4 @@ if __name__ == "__main__":
         sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
     for name in sys.argv[1:]:
         CASES[name]()
+        print(name, flush=True)

@@ -7,19 +7,22 @@ token, which is exactly what `DraftContextPool` holds per KV slot). What it does
   drafter weights   the drafter's own tensors (it borrows the target's embeddings and head; a
                     draft vocabulary copies its rows of the head once; under tensor parallelism
                     every rank holds a gathered full copy of the embeddings, and of the head when
-                    it is not tied, beside the target's own vocabulary shards);
+                    it is not tied, beside the target's own vocabulary shards); with
+                    --speculative-draft-model-quantization fp8 the attention and MLP linears hold one
+                    byte per weight and a float32 scale per output channel (`drafter_weight_bytes`);
   draft working set one draft + tree round at batch bs (what the draft CUDA graph of that batch
                     size keeps in its pool): the largest of the drafter layers' activations, the
                     vocabulary scoring of one chunk (`mfd_sglang.drafter.vocab_candidates`) and the
                     tree's per-mode beams, plus the hidden states and candidates that live across them;
   verify working set the float32 target logits of the B + 1 verified tokens per request that the
-                    accept step reads (one [bs * N, V] copy, made when the target returns lower
-                    precision), plus the per-node sampling work at T > 0;
+                    accept step reads ([bs * N, V]; a copy when the target returns lower precision),
+                    plus the per-node sampling work at T > 0 (`SAMPLING_BYTES_PER_ENTRY` per logit);
   verify graphs     under the automatic budget with CUDA graphs, the attention backends of the
                     candidate windows other than the launch one (`VerifyGraphPlan`).
 
 `MemoryPlan.extra_bytes(bs)` is their sum at batch bs: an upper bound of what the plugin allocates
-outside SGLang's plan, held against measured allocations by `benchmarks/draft_memory.py` and its test.
+outside SGLang's plan, held against measured allocations by `benchmarks/draft_memory.py` (the draft) and
+`benchmarks/verify_memory.py` (the verify) and their tests.
 At launch (`reserve_in_mem_fraction`) it is taken out of SGLang's default `--mem-fraction-static` for
 `--max-running-requests`, so the KV pool leaves room for it; a fraction the user set is left alone
 and a warning says what MFD needs.
@@ -32,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from mfd_sglang.checkpoint import DrafterConfig
-from mfd_sglang.drafter import VOCAB_CHUNK
+from mfd_sglang.drafter import VOCAB_CHUNK, fp8_linear_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,25 @@ SCORING_BYTES_PER_ENTRY = FLOAT32 * 2 + INT64 * 4
 # Per (mode, beam slot, candidate) of the tree's beams: the float32 path score, its ranking and the
 # int64 flat index.
 TREE_BYTES_PER_ENTRY = FLOAT32 * 2 + INT64 * 2
+FP8 = 1
+
+
+def drafter_weight_bytes(cfg: DrafterConfig, weight_elements: int, dtype_bytes: int,
+                         draft_quantization: str | None = None) -> int:
+    """Bytes of a drafter's own weights (`weight_elements` of them, all in a dtype of `dtype_bytes`
+    unquantized); "fp8": its attention and MLP linears (`fp8_linear_shapes`) at one byte per weight plus
+    a float32 scale per output channel, the rest unchanged."""
+    if draft_quantization != "fp8":
+        return weight_elements * dtype_bytes
+    shapes = fp8_linear_shapes(cfg)
+    quantized = sum(out * inp for out, inp in shapes)
+    return (weight_elements - quantized) * dtype_bytes + quantized * FP8 + sum(out for out, _ in shapes) * FLOAT32
+# Per verify logit at T > 0, what `verify.plain_law` holds at once over the fully sorted vocabulary (no
+# top-k bound): the softmax, its sorted copy and int64 sort indices, the mass before each token, the kept
+# mask (bool), the kept probabilities and the weights they are scattered into.
+SAMPLING_BYTES_PER_ENTRY = FLOAT32 * 5 + INT64 + 1
+# Per verified node at T > 0: its position, coin, inversion target and token (int64 at most each).
+SAMPLING_BYTES_PER_NODE = INT64 * 4
 
 
 @dataclass(frozen=True)
@@ -61,22 +83,29 @@ class MemoryPlan:
     dtype_bytes: int
     vocab_chunk: int = VOCAB_CHUNK
     verify_graph_bytes: int = 0  # VerifyGraphPlan.total_bytes(), independent of the running batch
+    # FP8 drafting: per block row, an FP8 linear's input quantized (a float32 copy and the e4m3 values)
+    # and its float32 product (the unit-scale path), at the widest quantized linear; 0 unquantized
+    fp8_bytes_per_row: int = 0
 
     def draft_bytes(self, bs: int) -> int:
         """Upper bound of one draft + tree round's allocations at batch bs."""
         block_rows, draft_rows = bs * self.num_modes * self.block, bs * self.num_modes * (self.block - 1)
         count = min(self.budget, self.draft_vocab)
         chunk = min(self.vocab_chunk, self.draft_vocab)
-        layer = block_rows * (3 * self.intermediate + self.attention_width + 2 * self.hidden) * self.dtype_bytes
+        layer = block_rows * ((3 * self.intermediate + self.attention_width + 2 * self.hidden) * self.dtype_bytes
+                              + self.fp8_bytes_per_row)
         scoring = draft_rows * chunk * (self.dtype_bytes + SCORING_BYTES_PER_ENTRY)
         tree = bs * self.num_modes * self.budget * count * TREE_BYTES_PER_ENTRY
         resident = 2 * block_rows * self.hidden * self.dtype_bytes + draft_rows * count * (FLOAT32 + 2 * INT64)
         return resident + max(layer, scoring, tree)
 
     def verify_bytes(self, bs: int) -> int:
-        """The accept step's float32 copy of the verify logits [bs * (B + 1), V] and as much again
-        for the T > 0 per-node sampling work."""
-        return 2 * bs * (self.budget + 1) * self.vocab * FLOAT32
+        """The float32 verify logits [bs * (B + 1), V] the accept step reads and, at T > 0, the per-node
+        sampling work on them: `SAMPLING_BYTES_PER_ENTRY` per logit, `SAMPLING_BYTES_PER_NODE` per node
+        and the vocabulary's int64 ranks."""
+        nodes = bs * (self.budget + 1)
+        return (nodes * self.vocab * (FLOAT32 + SAMPLING_BYTES_PER_ENTRY) + nodes * SAMPLING_BYTES_PER_NODE
+                + INT64 * self.vocab)
 
     def extra_bytes(self, bs: int) -> int:
         """Everything MFD allocates outside SGLang's plan with bs requests running."""
@@ -86,7 +115,8 @@ class MemoryPlan:
         mib = 2**20
         graphs = (f", verify graphs of the other windows {self.verify_graph_bytes / mib:.0f} MiB"
                   if self.verify_graph_bytes else "")
-        return (f"drafter weights {self.weight_bytes / mib:.0f} MiB, draft + tree at {bs} requests "
+        fp8 = " (attention and MLP linears in FP8)" if self.fp8_bytes_per_row else ""
+        return (f"drafter weights {self.weight_bytes / mib:.0f} MiB{fp8}, draft + tree at {bs} requests "
                 f"{self.draft_bytes(bs) / mib:.0f} MiB, verify logits {self.verify_bytes(bs) / mib:.0f} MiB"
                 f"{graphs} (outside SGLang's plan: {self.extra_bytes(bs) / mib:.0f} MiB); drafter context "
                 f"{self.context_bytes_per_token} B per KV slot (inside SGLang's KV plan)")
@@ -186,22 +216,25 @@ def verify_graph_plan(server_args, budget: int) -> VerifyGraphPlan | None:
 
 def memory_plan(cfg: DrafterConfig, weight_elements: int, *, dtype_bytes: int, budget: int, vocab: int,
                 num_modes: int | None = None, tp_size: int = 1, tied_embeddings: bool = True,
-                verify_graph_bytes: int = 0) -> MemoryPlan:
-    """The plan, per rank, of a drafter (its config and number of weight elements, `checkpoint.weights`
-    or the module's parameters) served in a dtype of `dtype_bytes` with tree budget B over a target
-    vocabulary of `vocab`, on `tp_size` tensor-parallel ranks."""
+                verify_graph_bytes: int = 0, draft_quantization: str | None = None) -> MemoryPlan:
+    """The plan, per rank, of a drafter (its config and number of floating-point weight elements, from
+    `checkpoint.weights`) served in a dtype of `dtype_bytes` with tree budget B over a target
+    vocabulary of `vocab`, on `tp_size` tensor-parallel ranks; draft_quantization: `options.draft_quantization`."""
     draft_vocab = cfg.draft_vocab_size or vocab
     head_copy = draft_vocab * cfg.hidden_size if cfg.draft_vocab_size else 0
     if tp_size > 1:  # the gathered embeddings (and head) of the worker
         head_copy += vocab * cfg.hidden_size * (1 if tied_embeddings else 2)
     q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = fp8_linear_shapes(cfg) if draft_quantization == "fp8" else []
     return MemoryPlan(
-        weight_bytes=(weight_elements + head_copy) * dtype_bytes,
+        weight_bytes=drafter_weight_bytes(cfg, weight_elements, dtype_bytes, draft_quantization)
+        + head_copy * dtype_bytes,
         context_bytes_per_token=2 * cfg.num_hidden_layers * kv_width * dtype_bytes,
         hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
         attention_width=2 * q_width + 2 * kv_width,
         num_modes=num_modes or cfg.num_modes, block=cfg.block_size, budget=budget, vocab=vocab,
-        draft_vocab=draft_vocab, dtype_bytes=dtype_bytes, verify_graph_bytes=verify_graph_bytes)
+        draft_vocab=draft_vocab, dtype_bytes=dtype_bytes, verify_graph_bytes=verify_graph_bytes,
+        fp8_bytes_per_row=max((inp * (FLOAT32 + FP8) + out * FLOAT32 for out, inp in shapes), default=0))
 
 
 def reserve_in_mem_fraction(server_args, plan: MemoryPlan, gpu_mem_mib: float | None, user_set: bool) -> None:
@@ -236,7 +269,7 @@ def plan_launch_memory(server_args) -> None:
 
     from mfd_sglang.checkpoint import _target_text_config, load_drafter
 
-    from .options import budget_from_num_draft_tokens, read_options
+    from .options import budget_from_num_draft_tokens, draft_quantization, read_options
 
     ckpt = load_drafter(server_args.speculative_draft_model_path)
     target = _target_text_config(server_args.model_path)
@@ -248,7 +281,8 @@ def plan_launch_memory(server_args) -> None:
                        vocab=target["vocab_size"],
                        num_modes=read_options().num_modes, tp_size=int(server_args.tp_size or 1),
                        tied_embeddings=bool(target.get("tie_word_embeddings")),
-                       verify_graph_bytes=graphs.total_bytes() if graphs else 0)
+                       verify_graph_bytes=graphs.total_bytes() if graphs else 0,
+                       draft_quantization=draft_quantization(server_args))
     # The raw input tells whether the user set the fraction (the resolved value is always set).
     raw = getattr(server_args, "_raw_input", None) or {}
     reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),
