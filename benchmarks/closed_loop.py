@@ -12,11 +12,14 @@ verify round, SGLang's spec_accept_length), mean TTFT and failed requests.
         --single-drafter drafters/smollm2-135m/dflash --mfd-drafter drafters/smollm2-135m/mfd \\
         --batch-sizes 1 2 4 --requests-per-size 8 --record
 
-Configurations: ar (no speculation), dflash (SGLang's own DFLASH chain with the single-mode drafter;
-CUDA only), mfd, mfd_d, ddtree (MFD with the single-mode drafter, K = 1). A speculative one may name
-its budget: `mfd_d@8` (B = 8; plain `mfd_d` uses --budget), or `mfd_d@auto` (the automatic budget,
-MFD_SGLANG_AUTO_BUDGET=1, at most --budget). With an `@auto` configuration and fixed budgets of the same
-one, the report compares auto with AR and with the best fixed budget at each b (`auto_vs`):
+Configurations: ar (no speculation), dflash (SGLang's own DFLASH chain with the single-mode drafter: it
+verifies the drafter's block, block_size tokens per request and round; on a CPU through the CPU launcher's
+hooks, mfd_sglang/patches/cpu_dflash.py), mfd, mfd_d, ddtree (MFD with the single-mode drafter, K = 1). A
+tree one may name its budget: `mfd_d@8` (B = 8; plain `mfd_d` uses --budget), or `mfd_d@auto` (the automatic
+budget, MFD_SGLANG_AUTO_BUDGET=1, at most --budget). Every configuration's speed-up over AR at the same b is
+reported (`speedup`; with repeats also `speedup_paired`, the median of the per-turn ratios). With an `@auto`
+configuration and fixed budgets of the same one, the report also compares auto with AR and with the best
+fixed budget at each b (`auto_vs`):
 
     python benchmarks/closed_loop.py --target ... --mfd-drafter drafters/smollm2-135m/mfd --budget 16 \
         --configs ar,mfd_d@4,mfd_d@8,mfd_d@16,mfd_d@auto --batch-sizes 1 2 4 8 --warmup --record
@@ -51,6 +54,8 @@ from tqdm.auto import tqdm
 from mfd_sglang.server_process import ServerProcess, free_port, launch_command
 
 CONFIGS = ("ar", "dflash", "mfd", "mfd_d", "ddtree")
+TREE_CONFIGS = ("mfd", "mfd_d", "ddtree")  # those with a tree budget (@B, @auto)
+DRAFTER_FLAG = {"dflash": "single_drafter", "ddtree": "single_drafter", "mfd": "mfd_drafter", "mfd_d": "mfd_drafter"}
 
 
 def split_config(name: str) -> tuple[str, str | None]:
@@ -59,8 +64,26 @@ def split_config(name: str) -> tuple[str, str | None]:
     return base, budget or None
 
 
-def server_command(name: str, args, port: int, device: str, max_batch: int) -> list[str] | None:
-    """The launch command of one configuration, None when it cannot run on this device."""
+def parse_configs(text: str) -> list[str]:
+    """The configurations of a comma list; ValueError naming the first one that is not a configuration."""
+    configs = [c for c in text.split(",") if c]
+    for name in configs:
+        base, budget = split_config(name)
+        if base not in CONFIGS:
+            raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}, the last three with an "
+                             "optional @B or @auto")
+        if budget is not None and base not in TREE_CONFIGS:
+            raise ValueError(f"configuration {name!r}: only {TREE_CONFIGS} take a tree budget (dflash verifies "
+                             "its drafter's block)")
+        if budget not in (None, "auto") and not (budget.isdigit() and int(budget) >= 1):
+            raise ValueError(f"configuration {name!r}: the budget must be an integer >= 1 or 'auto'")
+    if len(set(configs)) < len(configs):
+        raise ValueError(f"configurations named twice in {text!r}")
+    return configs
+
+
+def server_command(name: str, args, port: int, device: str, max_batch: int) -> list[str]:
+    """The launch command of one configuration."""
     extra = ["--max-running-requests", str(max_batch), "--context-length", str(args.context_length),
              "--log-level", "info" if split_config(name)[1] == "auto" else "warning"]
     common = dict(port=port, device=device, dtype=args.dtype, extra_args=extra)
@@ -68,9 +91,7 @@ def server_command(name: str, args, port: int, device: str, max_batch: int) -> l
     budget = args.budget if budget in (None, "auto") else int(budget)
     if name == "ar":
         return launch_command(args.target, **common)
-    if name == "dflash":
-        if device == "cpu":
-            return None  # SGLang 0.5.23 refuses DFLASH on non-CUDA devices
+    if name == "dflash":  # block_size from the drafter
         return launch_command(args.target, algorithm="DFLASH", drafter=args.single_drafter, **common)
     algorithm = "MFD_D" if name == "mfd_d" else "MFD"
     drafter = args.single_drafter if name == "ddtree" else args.mfd_drafter
@@ -191,17 +212,20 @@ def plot(results: dict, batch_sizes: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (speed, taus) = plt.subplots(1, 2, figsize=(11, 4))
     for name, per_batch in results.items():
-        points = [(b, per_batch[str(b)].get("speedup")) for b in batch_sizes if str(b) in per_batch]
-        points = [(b, s) for b, s in points if s is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=name)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("requests in flight (closed loop)")
-    ax.set_ylabel("decode speed-up over AR")
-    ax.legend()
+        for ax, key in ((speed, "speedup"), (taus, "tau")):
+            points = [(b, per_batch[str(b)].get(key)) for b in batch_sizes if str(b) in per_batch]
+            points = [(b, v) for b, v in points if v is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+    speed.axhline(1.0, color="grey", lw=0.8, ls="--")
+    speed.set_ylabel("decode speed-up over AR (median run)")
+    taus.set_ylabel("tau (tokens per verify round)")
+    for ax in (speed, taus):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in flight (closed loop)")
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -213,6 +237,18 @@ def machine_name(device: str) -> str:
 
         return torch.cuda.get_device_name().replace(" ", "-")
     return f"cpu{os.cpu_count()}"
+
+
+def add_speedups(results: dict) -> None:
+    """Every run's `speedup` over AR's at its b (None without a positive AR speed) and, when both were
+    measured in the same turns, `speedup_paired`."""
+    for runs in results.values():
+        for b, run in runs.items():
+            ar = results["ar"][b]
+            if ar["decode_tokens_per_second"] > 0:
+                run.update(ratios(run, ar, "speedup"))
+            else:
+                run["speedup"] = None
 
 
 def median_run(measured: list[dict]) -> dict:
@@ -261,16 +297,15 @@ def main(argv=None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted({c for c in configs if split_config(c)[0] not in CONFIGS
-                      or split_config(c)[1] not in (None, "auto") and not split_config(c)[1].isdigit()})
-    if unknown:
-        parser.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
+    try:
+        configs = parse_configs(args.configs)
+    except ValueError as exc:
+        parser.error(str(exc))
     urls = dict(item.split("=", 1) for item in args.base_url)
-    needs = {"dflash": "single_drafter", "ddtree": "single_drafter", "mfd": "mfd_drafter", "mfd_d": "mfd_drafter"}
     for name in configs:
-        if split_config(name)[0] in needs and name not in urls and getattr(args, needs[split_config(name)[0]]) is None:
-            parser.error(f"configuration {name} needs --{needs[name].replace('_', '-')} (or --base-url {name}=URL)")
+        flag = DRAFTER_FLAG.get(split_config(name)[0])
+        if flag and name not in urls and getattr(args, flag) is None:
+            parser.error(f"configuration {name} needs --{flag.replace('_', '-')} (or --base-url {name}=URL)")
     prompts = chat_prompts(args.sets.split(","), args.limit, args.prompts_file)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="closed-loop-"))
     max_batch = max(args.batch_sizes)
@@ -280,19 +315,14 @@ def main(argv=None) -> int:
     if args.repeats > 1 and args.device != "cpu":
         parser.error("--repeats runs every server at once: CPU only (on a GPU they would share its memory)")
     runs = {name: {str(b): [] for b in args.batch_sizes} for name in configs}
-    skipped = {}
     total = len(configs) * sum(args.repeats * args.requests_per_size + (b if args.warmup else 0) for b in args.batch_sizes)
 
-    def serve(name: str, stack: contextlib.ExitStack) -> str | None:
-        """The base URL of configuration `name` (launched within `stack`), None when it cannot run here."""
+    def serve(name: str, stack: contextlib.ExitStack) -> str:
+        """The base URL of configuration `name` (launched within `stack`)."""
         if name in urls:
             return urls[name]
         port = free_port()
         cmd = server_command(name, args, port, args.device, max_batch)
-        if cmd is None:
-            skipped[name] = "SGLang 0.5.23 serves DFLASH on CUDA only"
-            bar.update(total // len(configs))
-            return None
         bar.set_postfix_str(f"starting {name}")
         env = dict(os.environ, HF_HUB_OFFLINE="1", MFD_SGLANG_AUTO_BUDGET=str(int(split_config(name)[1] == "auto")))
         srv = stack.enter_context(ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900))
@@ -311,40 +341,35 @@ def main(argv=None) -> int:
             for name in configs:
                 with contextlib.ExitStack() as stack:
                     base_url = serve(name, stack)
-                    for b in args.batch_sizes if base_url else ():
+                    for b in args.batch_sizes:
                         measure(name, base_url, b, 0)
         else:
             with contextlib.ExitStack() as stack:
                 served = {name: serve(name, stack) for name in configs}
-                served = {name: url for name, url in served.items() if url}
                 for b in args.batch_sizes:
                     for repeat in range(args.repeats):
                         turn = list(served)[repeat % len(served):] + list(served)[:repeat % len(served)]
                         for name in turn:
                             measure(name, served[name], b, repeat)
-    results = {name: {b: median_run(measured) for b, measured in per_b.items()}
-               for name, per_b in runs.items() if name not in skipped}
+    results = {name: {b: median_run(measured) for b, measured in per_b.items()} for name, per_b in runs.items()}
     if "ar" in results:
-        for name, runs in results.items():
-            for b, run in runs.items():
-                base = results["ar"][b]["decode_tokens_per_second"]
-                run["speedup"] = run["decode_tokens_per_second"] / base if base else None
+        add_speedups(results)
 
     auto_vs = compare_auto(results)
-    print(f"{'config':<10} {'b':>4} {'decode tok/s':>13} {'speed-up':>9} {'tau':>6} {'TTFT s':>7} {'errors':>6}")
+    print(f"{'config':<10} {'b':>4} {'decode tok/s':>13} {'speed-up':>9} {'paired':>7} {'tau':>6} {'TTFT s':>7} "
+          f"{'errors':>6}")
     for name, runs in results.items():
         for b, run in runs.items():
             speedup = "-" if run.get("speedup") is None else f"{run['speedup']:.2f}x"
+            paired = "-" if run.get("speedup_paired") is None else f"{run['speedup_paired']:.2f}x"
             tau = "-" if run["tau"] is None else f"{run['tau']:.2f}"
             ttft = "-" if run["mean_ttft_seconds"] is None else f"{run['mean_ttft_seconds']:.2f}"
-            print(f"{name:<10} {b:>4} {run['decode_tokens_per_second']:>13.1f} {speedup:>9} {tau:>6} {ttft:>7} "
-                  f"{run['errors']:>6}")
+            print(f"{name:<10} {b:>4} {run['decode_tokens_per_second']:>13.1f} {speedup:>9} {paired:>7} {tau:>6} "
+                  f"{ttft:>7} {run['errors']:>6}")
     for name, per_b in auto_vs.items():
         for b, entry in per_b.items():
             print(f"{name} at b = {b}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items() if v is not None))
-    for name, why in skipped.items():
-        print(f"{name}: skipped ({why})")
 
     out = args.out
     machine = machine_name(args.device)
@@ -354,7 +379,7 @@ def main(argv=None) -> int:
         command = "python benchmarks/closed_loop.py " + " ".join(sys.argv[1:] if argv is None else argv)
         report = {"date": str(dt.date.today()), "machine": machine, "device": args.device, "platform": platform.platform(),
                   "command": command, "settings": {k: v for k, v in vars(args).items() if k != "base_url"},
-                  "results": results, "auto_vs": auto_vs, "skipped": skipped}
+                  "results": results, "auto_vs": auto_vs}
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
         png = Path(args.plot or Path(out).with_suffix(".png"))

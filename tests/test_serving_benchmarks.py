@@ -26,18 +26,19 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_closed_loop_benchmark_writes_json_and_png(tiny_pair, tmp_path):
-    """Two configurations served at once and measured in turns (--repeats 2), the median reported."""
+def test_closed_loop_benchmark_writes_json_and_png(tiny_pair, tiny_dflash_drafter, tmp_path):
+    """Three configurations served at once (SGLang's DFLASH among them) and measured in turns (--repeats 2),
+    the median reported."""
     out = tmp_path / "closed.json"
     proc = _run(["benchmarks/closed_loop.py", "--target", str(tiny_pair / "target"),
                  "--mfd-drafter", str(tiny_pair / "drafter"), "--configs", "ar,mfd,dflash",
-                 "--single-drafter", str(tiny_pair / "drafter"),
+                 "--single-drafter", str(tiny_dflash_drafter),
                  "--prompts-file", str(tiny_pair / "prompts.json"), "--limit", "3", "--batch-sizes", "1", "2",
                  "--requests-per-size", "3", "--max-tokens", "12", "--dtype", "float32", "--budget", "8",
                  "--repeats", "2", "--device", "cpu", "--out", str(out)], timeout=900)
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert set(report["results"]) == {"ar", "mfd"} and "dflash" in report["skipped"]
+    assert set(report["results"]) == {"ar", "mfd", "dflash"}
     for name, runs in report["results"].items():
         assert set(runs) == {"1", "2"}
         for b, run in runs.items():
@@ -47,19 +48,56 @@ def test_closed_loop_benchmark_writes_json_and_png(tiny_pair, tmp_path):
             assert len(run["repeats_decode_tokens_per_second"]) == 2
             ar_speed = report["results"]["ar"][b]["decode_tokens_per_second"]
             assert run["speedup"] == pytest.approx(run["decode_tokens_per_second"] / ar_speed)
+            ar_repeats = report["results"]["ar"][b]["repeats_decode_tokens_per_second"]
+            assert run["speedup_paired"] == pytest.approx(sum(
+                mine / ar for mine, ar in zip(run["repeats_decode_tokens_per_second"], ar_repeats)) / 2)
     assert all(run["tau"] is None for run in report["results"]["ar"].values())
     # Each batch size sends each of the 3 chat prompts once. tau here is SGLang's spec_accept_length:
     # completion tokens (the prefill's one included) per verify round, over the requests.
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair / "target")
-    engine = SpeculativeGenerator.from_paths(tiny_pair / "target", tiny_pair / "drafter", budget=8)
-    eos = eos_token_ids(tokenizer, engine.target.config)
-    outputs = [engine.generate(chat_template_ids(tokenizer, [{"role": "user", "content": text}]), 12, eos_token_ids=eos)
-               for text in json.loads((tiny_pair / "prompts.json").read_text())[:3]]
-    tau = sum(len(o.token_ids) for o in outputs) / sum(len(o.rounds) for o in outputs)
-    assert [run["tau"] for run in report["results"]["mfd"].values()] == [pytest.approx(tau)] * 2
-    assert "ar" in proc.stdout and "mfd" in proc.stdout
+    # DFLASH verifies its drafter's chain (block 8: 7 drafted tokens), as the reference engine's chain does.
+    for name, engine in (
+            ("mfd", SpeculativeGenerator.from_paths(tiny_pair / "target", tiny_pair / "drafter", budget=8)),
+            ("dflash", SpeculativeGenerator.from_paths(tiny_pair / "target", tiny_dflash_drafter, tree="chain",
+                                                       budget=7, single_mode=True))):
+        eos = eos_token_ids(tokenizer, engine.target.config)
+        outputs = [engine.generate(chat_template_ids(tokenizer, [{"role": "user", "content": text}]), 12,
+                                   eos_token_ids=eos)
+                   for text in json.loads((tiny_pair / "prompts.json").read_text())[:3]]
+        tau = sum(len(o.token_ids) for o in outputs) / sum(len(o.rounds) for o in outputs)
+        assert [run["tau"] for run in report["results"][name].values()] == [pytest.approx(tau)] * 2, name
+    assert "ar" in proc.stdout and "mfd" in proc.stdout and "dflash" in proc.stdout
+
+
+def test_closed_loop_configurations_and_speedups():
+    """--configs names every row or fails naming the bad one; each row's speed-up is over AR's at its b, and
+    paired (the median of the per-turn ratios) only when both were measured in the same turns."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from closed_loop import add_speedups, parse_configs
+
+    rows = "ar,dflash,ddtree,mfd,mfd_d,mfd_d@auto,mfd@8"
+    assert parse_configs(rows + ",") == rows.split(",")
+    for bad, message in (("ar,eagle", "unknown configuration 'eagle'"), ("dflash@8", "only ('mfd', 'mfd_d', 'ddtree')"),
+                         ("ar@auto", "take a tree budget"), ("mfd@0", "integer >= 1"), ("mfd@x", "integer >= 1"),
+                         ("ar,mfd,ar", "named twice")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            parse_configs(bad)
+
+    def run(median, repeats=None):
+        return {"decode_tokens_per_second": median,
+                **({"repeats_decode_tokens_per_second": repeats} if repeats else {})}
+
+    results = {"ar": {"1": run(10.0, [10.0, 12.0, 8.0]), "2": run(0.0)},
+               "dflash": {"1": run(12.0, [15.0, 12.0, 12.0]), "2": run(5.0)},
+               "mfd": {"1": run(9.0), "2": run(4.0)}}
+    add_speedups(results)
+    assert results["dflash"]["1"]["speedup"] == pytest.approx(1.2)
+    assert results["dflash"]["1"]["speedup_paired"] == pytest.approx(1.5)  # median of 1.5, 1.0, 1.5
+    assert results["mfd"]["1"] == {**run(9.0), "speedup": pytest.approx(0.9)}  # one run: no pairs
+    assert results["ar"]["1"]["speedup"] == 1.0 and results["ar"]["1"]["speedup_paired"] == 1.0
+    assert [results[name]["2"]["speedup"] for name in results] == [None] * 3  # AR measured nothing
 
 
 def test_hf_speed_benchmark_table(tiny_pair, tiny_dflash_drafter, tmp_path):

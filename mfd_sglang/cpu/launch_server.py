@@ -20,8 +20,10 @@ Before SGLang is imported it
    default ``extra_buffer`` needs state snapshots its CPU platform lacks), ``--disable-overlap-schedule``
    (``no_buffer`` requires it) and ``--max-mamba-cache-size 256`` (else the recurrent-state pool is
    sized from host RAM: gigabytes even for a tiny model, and tens of seconds to allocate);
-4. registers the FULL_MASK hooks (``mfd_sglang.patches.full_mask``) and the one that lets
-   ``--tp-size`` run on CPU (``mfd_sglang.patches.cpu_tp``: gloo instead of PyNccl);
+4. registers the CPU hooks (``mfd_sglang.cpu.install``): among them the FULL_MASK hooks
+   (``mfd_sglang.patches.full_mask``), the one that lets ``--tp-size`` run on CPU
+   (``mfd_sglang.patches.cpu_tp``: gloo instead of PyNccl) and those that let SGLang's own
+   ``--speculative-algorithm DFLASH`` serve on CPU (``mfd_sglang.patches.cpu_dflash``);
 then runs ``sglang.launch_server`` as ``__main__`` with the completed argument list.
 """
 

@@ -6,7 +6,11 @@ acceptance. Instead:
   2. a target trained for a few seconds on a synthetic language of cyclic word lists (numbers,
      the NATO alphabet, days, months, colours, a phrase). Some words occur in two lists ("may",
      "march", "we"), so the continuation depends on earlier tokens: the target must attend;
-  3. the drafter trained for a few seconds on the target's OWN greedy continuations.
+  3. the MFD drafter (K modes) trained for a few seconds on the target's OWN greedy continuations;
+  4. a single-mode drafter (DFlash format, K = 1) trained on the same continuations with the same steps:
+     the drafter of the DFlash chain, DDTree and SGLang's DFLASH in comparisons with MFD. (The MFD drafter
+     is trained from scratch, not started from it: one drafter's training less, and its bytes are those
+     of make-tiny before the single-mode drafter was added.)
 Everything is fp32 and deterministic for a seed. Under a minute on two CPU cores.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -104,7 +109,8 @@ def target_config(tokenizer: PreTrainedTokenizerFast, hybrid: bool = False) -> Q
 
 
 def drafter_config(tokenizer: PreTrainedTokenizerFast, num_modes: int) -> dict:
-    return {
+    """The drafter's config.json: DFlash format, plus an `mfd_config` block when num_modes > 1."""
+    config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -114,8 +120,26 @@ def drafter_config(tokenizer: PreTrainedTokenizerFast, num_modes: int) -> dict:
         "block_size": BLOCK_SIZE, "num_target_layers": TARGET_LAYERS,
         "dflash_config": {"mask_token_id": tokenizer.convert_tokens_to_ids("<|mask|>"),
                           "target_layer_ids": TARGET_LAYER_IDS},
-        "mfd_config": {"num_modes": num_modes, "default_mode": 0},
     }
+    if num_modes > 1:
+        config["mfd_config"] = {"num_modes": num_modes, "default_mode": 0}
+    return config
+
+
+def new_drafter(tokenizer: PreTrainedTokenizerFast, num_modes: int,
+                generator: torch.Generator) -> tuple[MFDDrafter, dict]:
+    """(an untrained drafter, its config.json): normal(0, 0.05) matrices and, with K > 1, small distinct mode
+    embeddings (every mode starts as the same drafter, slightly shifted)."""
+    raw = drafter_config(tokenizer, num_modes)
+    cfg = replace(parse_drafter_config(raw), num_modes=num_modes, default_mode=0)
+    drafter = MFDDrafter(cfg, context_features=len(TARGET_LAYER_IDS) * cfg.hidden_size)
+    with torch.no_grad():
+        if num_modes > 1:
+            drafter.mode_embed.normal_(0.0, 0.02, generator=generator)
+        for name, p in drafter.named_parameters():
+            if p.dim() == 2 and name != "mode_embed":
+                p.normal_(0.0, 0.05, generator=generator)
+    return drafter, raw
 
 
 def train_target(model: Qwen3ForCausalLM, data: torch.Tensor, steps: int, generator: torch.Generator,
@@ -158,8 +182,12 @@ def train_drafter(drafter: MFDDrafter, target: Qwen3ForCausalLM, sequences: torc
 
 def make_tiny(outdir: str | Path, *, seed: int = 0, num_modes: int = 4, target_steps: int = 400,
               drafter_steps: int = 300, hybrid: bool = False, log=print) -> Path:
-    """Write OUTDIR/target (HF Qwen3, or with `hybrid` Qwen3.5, + tokenizer) and OUTDIR/drafter (MFD
-    checkpoint)."""
+    """Write OUTDIR/target (HF Qwen3, or with `hybrid` Qwen3.5, + tokenizer), OUTDIR/drafter (MFD checkpoint,
+    K = num_modes >= 2) and OUTDIR/drafter-dflash (the single-mode drafter, a DFlash checkpoint), each drafter
+    trained `drafter_steps` on the same continuations."""
+    if num_modes < 2:
+        raise ValueError(f"--num-modes must be >= 2 for the MFD drafter, got {num_modes} (the single-mode "
+                         "drafter is OUTDIR/drafter-dflash)")
     start = time.perf_counter()
     outdir = Path(outdir)
     rng = random.Random(seed)
@@ -172,26 +200,23 @@ def make_tiny(outdir: str | Path, *, seed: int = 0, num_modes: int = 4, target_s
     target = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(target_config(tokenizer, hybrid))
     train_target(target, data, target_steps, generator, log)
 
-    log(f"[make-tiny] the target's greedy continuations, then the drafter ({drafter_steps} steps, K = {num_modes})")
     prompts = data[torch.randperm(data.shape[0], generator=generator)[:96], :16]
     sequences = greedy_continuations(target, prompts, SEQ_LEN)
-    raw = drafter_config(tokenizer, num_modes)
-    cfg = parse_drafter_config(raw)
-    drafter = MFDDrafter(cfg, context_features=len(TARGET_LAYER_IDS) * cfg.hidden_size)
-    with torch.no_grad():
-        # Small, distinct mode embeddings: every mode starts as the same drafter, slightly shifted.
-        drafter.mode_embed.normal_(0.0, 0.02, generator=generator)
-        for name, p in drafter.named_parameters():
-            if p.dim() == 2 and name != "mode_embed":
-                p.normal_(0.0, 0.05, generator=generator)
-    train_drafter(drafter, target, sequences, drafter_steps, generator, log)
+    drafters = {}
+    for name, k in (("drafter", num_modes), ("drafter-dflash", 1)):  # the MFD drafter's draws first, as always
+        log(f"[make-tiny] {name}: trained on the target's greedy continuations ({drafter_steps} steps, K = {k})")
+        drafter, raw = new_drafter(tokenizer, k, generator)
+        train_drafter(drafter, target, sequences, drafter_steps, generator, log)
+        drafters[name] = drafter, raw
 
     target.save_pretrained(outdir / "target", safe_serialization=True)
     tokenizer.save_pretrained(outdir / "target")
-    save_drafter(outdir / "drafter", raw, drafter.checkpoint_weights())
-    load_drafter(outdir / "drafter")  # what we wrote must load
+    for name, (drafter, raw) in drafters.items():
+        save_drafter(outdir / name, raw, drafter.checkpoint_weights())
+        load_drafter(outdir / name)  # what we wrote must load
     (outdir / "prompts.json").write_text(json.dumps(PROMPTS, indent=2) + "\n")
-    log(f"[make-tiny] wrote {outdir}/target and {outdir}/drafter in {time.perf_counter() - start:.1f} s")
+    log(f"[make-tiny] wrote {outdir}/target, {outdir}/drafter and {outdir}/drafter-dflash in "
+        f"{time.perf_counter() - start:.1f} s")
     return outdir
 
 
