@@ -19,13 +19,24 @@ Reported per set, method and budget:
     mode at its depth, and (3) no single mode's argmax chain holds the whole path, i.e. the path
     splices two or more modes' futures. Share = chimeras / valid nodes;
   - covered mass: the expected number of tree-path tokens a future drawn from the drafter's own
-    mode mixture would match, sum over nodes u of (1/K) sum_k prod_i q_k,i(u_i);
+    mode mixture would match, sum over nodes u of sum_k pi_k prod_i q_k,i(u_i) (pi: the mode gate's
+    weights, 1/K each without a gate);
   - mode usage of MFD: the effective number of modes, exp(entropy) of the best modes of accepted
     nodes (K when every mode is used equally, 1 when one mode does all the work).
+
+An MFD drafter with a mode gate is replayed twice from the same draft: "mfd" weighs the modes by the
+gate, as every engine does, and "mfd_uniform" builds the same drafter's unweighted tree (the rule of a
+drafter without a gate).
+
+With `fp8`, every method is replayed a second time with FP8 copies of both drafters (attention and MLP
+linears in e4m3, `MFDDrafter.quantize_linears_fp8`: what a server with
+--speculative-draft-model-quantization fp8 drafts with) over the same continuations; the output is the
+target's either way, so the two differ only in what the drafters propose.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import math
@@ -40,7 +51,7 @@ from transformers import DynamicCache
 
 from ..drafter import DraftContext, MFDDrafter, context_features
 from ..hf import SamplingParams, batch_sampling
-from ..tree import DraftTree, build_chain, build_mixture_tree, top_candidates
+from ..tree import DraftTree, build_chain, build_mixture_tree, top_candidates, weigh_modes
 from ..tree_layout import with_root
 from ..verify import Sampling, accept_path, sample_from_logits
 
@@ -119,8 +130,10 @@ def node_paths(tree: DraftTree, row: int) -> torch.Tensor:
     return paths
 
 
-def covered_mass(logprobs: torch.Tensor, paths: torch.Tensor, valid: torch.Tensor, to_draft_ids) -> float:
-    """Expected matched path tokens under the drafter's uniform mode mixture ([K, D, V] log-probs).
+def covered_mass(logprobs: torch.Tensor, paths: torch.Tensor, valid: torch.Tensor, to_draft_ids,
+                 log_prior: torch.Tensor | None = None) -> float:
+    """Expected matched path tokens under the drafter's mode mixture ([K, D, V] log-probs, unweighted;
+    log_prior [K]: the mode weights, uniform when None).
 
     to_draft_ids maps target ids to the log-probs' vocabulary, -1 outside it (such a path has mass 0)."""
     on_path = paths >= 0
@@ -129,7 +142,8 @@ def covered_mass(logprobs: torch.Tensor, paths: torch.Tensor, valid: torch.Tenso
     depth = torch.arange(paths.shape[1], device=paths.device)
     per_token = logprobs[:, depth[None, :], ids.clamp(min=0)]  # [K, N, depth]
     path_logprob = torch.where(on_path, per_token, 0.0).sum(dim=-1)  # [K, N]
-    return float(path_logprob.exp().mean(dim=0)[valid & ~outside].sum())
+    mass = path_logprob.exp().mean(dim=0) if log_prior is None else (path_logprob + log_prior[:, None]).exp().sum(0)
+    return float(mass[valid & ~outside].sum())
 
 
 def chimera_count(paths: torch.Tensor, valid: torch.Tensor, mode_chains: torch.Tensor, future: list[int]) -> int:
@@ -175,9 +189,11 @@ def continue_prompt(target, prompt: list[int], max_new: int, eos: set[int],
 @torch.inference_mode()
 def drafts_at_round_starts(target, drafter: MFDDrafter, cont: Continuation, *, single_mode: bool,
                            chunk: int = 16):
-    """Yields (starts [n], log-probs [n, K', D, Vd]) over the continuation's round starts, `chunk` at a
-    time: the block the drafter writes at committed length L, over the context of sequence[:L], as the
-    engine drafts it (the context's keys and values are computed once and masked per start)."""
+    """Yields (starts [n], log-probs [n, K', D, Vd], mode log-prior [n, K'] or None) over the
+    continuation's round starts, `chunk` at a time: the block the drafter writes at committed length L,
+    over the context of sequence[:L], as the engine drafts it (the context's keys and values are
+    computed once and masked per start). The log-probs are unweighted: `weigh_modes(logprobs, log_prior)`
+    is what the engine's tree reads (`MFDDrafter.block_logprobs`)."""
     device = next(target.parameters()).device
     features = context_features(cont.hidden_states, drafter.cfg.target_layer_ids)
     slots = torch.arange(features.shape[1], device=device)[None]
@@ -190,14 +206,17 @@ def drafts_at_round_starts(target, drafter: MFDDrafter, cont: Continuation, *, s
         masked = DraftContext([k.expand(n, -1, -1, -1) for k in context.keys],
                               [v.expand(n, -1, -1, -1) for v in context.values],
                               slots.expand(n, -1), slots < starts[:, None])
-        yield starts, drafter.block_logprobs(sequence[starts], starts, masked, embed, head, single_mode=single_mode)
+        hidden, log_prior = drafter.block_hidden(sequence[starts], starts, masked, embed, single_mode=single_mode)
+        yield starts, drafter.logprobs(hidden, head), log_prior
 
 
 def round_outcomes(tree: DraftTree, logprobs: torch.Tensor, starts: torch.Tensor, cont: Continuation,
-                   drafter: MFDDrafter, mode_chains: torch.Tensor | None = None) -> list[RoundOutcome]:
-    """Each row's outcome: tree [n, N] (target ids) drafted from log-probs [n, K', D, Vd] at round starts
-    [n]. A node at depth d is matched against the continuation's token d + 1 places after the root,
-    exactly what the target draws there; mode_chains [n, K, D]: count chimeras against them."""
+                   drafter: MFDDrafter, mode_chains: torch.Tensor | None = None,
+                   log_prior: torch.Tensor | None = None) -> list[RoundOutcome]:
+    """Each row's outcome: tree [n, N] (target ids) drafted from log-probs [n, K', D, Vd] (unweighted; mode
+    weights log_prior [n, K'] or None) at round starts [n]. A node at depth d is matched against the
+    continuation's token d + 1 places after the root, exactly what the target draws there; mode_chains
+    [n, K, D]: count chimeras against them."""
     width = int(tree.depths.max()) + 1  # the root's token and one per depth
     sequence = torch.tensor(cont.sequence + cont.lookahead + [-1] * width, device=starts.device)
     futures = sequence[starts[:, None] + 1 + torch.arange(width, device=starts.device)]  # -1 past the end
@@ -211,7 +230,8 @@ def round_outcomes(tree: DraftTree, logprobs: torch.Tensor, starts: torch.Tensor
             emitted=min(int(result.accept_lens[row]), len(future)),
             valid_nodes=int(valid.sum()),
             accepted_modes=tree.modes[row, local[local >= 0] - 1].tolist(),
-            covered_mass=covered_mass(logprobs[row], paths, valid, drafter.to_draft_ids),
+            covered_mass=covered_mass(logprobs[row], paths, valid, drafter.to_draft_ids,
+                                      None if log_prior is None else log_prior[row]),
             chimeras=0 if mode_chains is None else chimera_count(paths, valid, mode_chains[row], future)))
     return outcomes
 
@@ -228,20 +248,25 @@ def walk(outcomes: dict[int, RoundOutcome], cont: Continuation) -> list[RoundOut
 def prompt_outcomes(target, single: MFDDrafter, mfd: MFDDrafter, cont: Continuation,
                     budgets: list[int]) -> dict[tuple[str, str], dict[int, RoundOutcome]]:
     """{(method, budget): {round start: outcome}} of the chain and DDTree (the single-mode drafter's
-    default path) and MFD at every budget, over one continuation."""
+    default path) and MFD at every budget (with a mode gate also "mfd_uniform", the same draft's
+    unweighted tree), over one continuation."""
     def target_tree(drafter: MFDDrafter, tree: DraftTree) -> DraftTree:
         tree.tokens = drafter.to_target_ids(tree.tokens)
         return tree
 
     cells: dict = defaultdict(dict)
     chains = {}
-    for starts, logprobs in drafts_at_round_starts(target, mfd, cont, single_mode=False):
+    for starts, logprobs, log_prior in drafts_at_round_starts(target, mfd, cont, single_mode=False):
         chains.update(zip(starts.tolist(), mfd.to_target_ids(logprobs.argmax(dim=-1))))
-        candidates = top_candidates(logprobs, max(budgets))  # one vocabulary sort for every budget's tree
-        for budget in budgets:
-            tree = target_tree(mfd, build_mixture_tree(candidates, budget))
-            cells["mfd", str(budget)].update(zip(starts.tolist(), round_outcomes(tree, logprobs, starts, cont, mfd)))
-    for starts, logprobs in drafts_at_round_starts(target, single, cont, single_mode=True):
+        rules = {"mfd": log_prior} if log_prior is None else {"mfd": log_prior, "mfd_uniform": None}
+        for method, weights in rules.items():
+            # One vocabulary sort for every budget's tree.
+            candidates = top_candidates(weigh_modes(logprobs, weights), max(budgets))
+            for budget in budgets:
+                tree = target_tree(mfd, build_mixture_tree(candidates, budget))
+                cells[method, str(budget)].update(
+                    zip(starts.tolist(), round_outcomes(tree, logprobs, starts, cont, mfd, log_prior=log_prior)))
+    for starts, logprobs, _ in drafts_at_round_starts(target, single, cont, single_mode=True):
         chain = target_tree(single, build_chain(logprobs))
         cells["chain", str(single.cfg.block_size - 1)].update(
             zip(starts.tolist(), round_outcomes(chain, logprobs, starts, cont, single)))
@@ -289,28 +314,49 @@ def load_inputs(target_path, single_path, mfd_path, dtype: torch.dtype, sets: li
 
 def evaluate(target, single: MFDDrafter, mfd: MFDDrafter, prompt_sets: dict[str, list[list[int]]],
              budgets: list[int], max_new: int, eos: set[int], log=print, temperature: float = 0.0,
-             seed: int = 0) -> dict:
+             seed: int = 0, fp8: bool = False) -> dict:
     """Every set x method x budget: {set: {"prompts": n, method: {budget: summary}}}. At temperature > 0
-    prompt i of a set is sampled with seed + i (the same continuation for every method)."""
+    prompt i of a set is sampled with seed + i (the same continuation for every method). fp8: also the
+    same with FP8 copies of both drafters, per set under "fp8" ({method: {budget: summary}})."""
+    pairs = {"": (single, mfd)}
+    if fp8:
+        pairs["fp8"] = tuple(copy.deepcopy(d).quantize_linears_fp8() for d in (single, mfd))
     results: dict = {}
     device = next(target.parameters()).device
     depth = max(single.cfg.block_size, mfd.cfg.block_size) - 1  # the deepest tree node
+    chain_budget = str(single.cfg.block_size - 1)
     for name, prompts in prompt_sets.items():
-        stats: dict = defaultdict(MethodStats)
+        stats: dict = {variant: defaultdict(MethodStats) for variant in pairs}
         for i, prompt in enumerate(tqdm(prompts, desc=f"eval {name}", unit="prompt", file=sys.stderr)):
             params = SamplingParams(temperature=temperature, seed=seed + i)
             sampling = None if params.greedy else batch_sampling(1, params, device)
             cont = continue_prompt(target, prompt, max_new, eos, sampling, lookahead=depth)
-            for cell, outcomes in prompt_outcomes(target, single, mfd, cont, budgets).items():
-                for outcome in walk(outcomes, cont):
-                    stats[cell].add(outcome)
-        set_results: dict = {"prompts": len(prompts), "chain": {}, "ddtree": {}, "mfd": {}}
-        chain_budget = str(single.cfg.block_size - 1)
-        for method, budget in [("chain", chain_budget)] + [(m, str(b)) for m in ("ddtree", "mfd") for b in budgets]:
-            set_results[method][budget] = stats[method, budget].summary()
-            log(f"  {name:<6} {method:<7} B={budget:<4} tau {set_results[method][budget]['tau']:.2f}")
-        results[name] = set_results
+            for variant, drafters in pairs.items():
+                for cell, outcomes in prompt_outcomes(target, *drafters, cont, budgets).items():
+                    for outcome in walk(outcomes, cont):
+                        stats[variant][cell].add(outcome)
+        results[name] = {"prompts": len(prompts)}
+        methods = tree_methods(mfd)
+        for variant in pairs:
+            summaries: dict = {"chain": {}, **{m: {} for m in methods}}
+            for method, budget in [("chain", chain_budget)] + [(m, str(b)) for m in methods for b in budgets]:
+                summaries[method][budget] = stats[variant][method, budget].summary()
+                log(f"  {name:<6} {method + (' ' + variant if variant else ''):<11} B={budget:<4} "
+                    f"tau {summaries[method][budget]['tau']:.2f}")
+            if variant:
+                results[name][variant] = summaries
+            else:
+                results[name].update(summaries)
     return results
+
+
+def tree_methods(mfd: MFDDrafter) -> tuple[str, ...]:
+    """The tree methods an evaluation reports: DDTree, MFD, and MFD's unweighted tree when it has a gate."""
+    return ("ddtree", "mfd", "mfd_uniform") if mfd.mode_prior is not None else ("ddtree", "mfd")
+
+
+def reported_methods(per_set: dict) -> tuple[str, ...]:
+    return tuple(m for m in ("ddtree", "mfd", "mfd_uniform") if m in per_set)
 
 
 def format_table(results: dict, budgets: list[int]) -> str:
@@ -318,17 +364,26 @@ def format_table(results: dict, budgets: list[int]) -> str:
     w = max(len(name) for name in results) + 2
 
     def row(label: str, method: str, cells: list[str]) -> str:
-        return f"{label:<{w}}{method:<9}" + "".join(f"{c:>16}" for c in cells)
+        return f"{label:<{w}}{method:<11}" + "".join(f"{c:>16}" for c in cells)
 
     def cell(summary: dict) -> str:
         return f"{summary['tau']:.2f}"
+
+    def fp8_cell(fp8: dict, base: dict) -> str:
+        return f"{fp8['tau']:.2f} ({fp8['tau'] / base['tau']:.3f}x)"
 
     lines = [row("set", "method", [f"B={b}" for b in budgets])]
     for name, per_set in results.items():
         chain = next(iter(per_set["chain"].values()))
         lines.append(row(name, "chain", [cell(chain), "(no budget)"]))
-        for method in ("ddtree", "mfd"):
+        for method in reported_methods(per_set):
             lines.append(row("", method, [cell(per_set[method][str(b)]) for b in budgets]))
+        if "fp8" in per_set:  # FP8 drafting, and its tau over the unquantized drafters'
+            fp8 = per_set["fp8"]
+            lines.append(row("", "chain fp8", [fp8_cell(next(iter(fp8["chain"].values())), chain), ""]))
+            for method in reported_methods(fp8):
+                lines.append(row("", f"{method} fp8",
+                                 [fp8_cell(fp8[method][str(b)], per_set[method][str(b)]) for b in budgets]))
         shares = [per_set["ddtree"][str(b)]["chimera_share"] for b in budgets]
         lines.append(row("", "chimeras", ["-" if s is None else f"{s:.3f}" for s in shares]))
         lines.append(row("", "modes", [f"{per_set['mfd'][str(b)]['effective_modes']:.2f}" for b in budgets]))
@@ -346,9 +401,10 @@ def plot(results: dict, budgets: list[int], path: Path) -> None:
     sets = list(results.values())
     chain = sum(next(iter(s["chain"].values()))["tau"] for s in sets) / len(sets)
     ax.plot(budgets, [chain] * len(budgets), "--", label="DFlash chain", color="gray")
-    for method, label in (("ddtree", "DDTree (single-mode)"), ("mfd", "MFD")):
+    labels = {"ddtree": "DDTree (single-mode)", "mfd": "MFD", "mfd_uniform": "MFD, unweighted (no gate)"}
+    for method in reported_methods(sets[0]):
         ax.plot(budgets, [sum(s[method][str(b)]["tau"] for s in sets) / len(sets) for b in budgets],
-                marker="o", label=label)
+                marker="o", label=labels[method])
     ax.set_xscale("log", base=2)
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.set_xlabel("tree budget B")

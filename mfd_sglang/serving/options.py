@@ -1,11 +1,16 @@
-"""Plugin options that SGLang 0.5.23 has no flag for.
+"""Plugin options that SGLang 0.5.23 has no flag for, and the SGLang flags MFD reads.
 
-SGLang's ServerArgs is a fixed struct, so these travel as environment variables, which the spawned
-scheduler processes inherit. The tree budget uses SGLang's own flag:
+SGLang's ServerArgs is a fixed struct, so MFD's own options travel as environment variables, which the
+spawned scheduler processes inherit. Where SGLang has a flag, MFD uses it:
 
     --speculative-num-draft-tokens N    tokens verified per request and round, root included,
                                         as for EAGLE: the tree budget is B = N - 1.
                                         Default: 65 (B = 64) on CUDA, 17 (B = 16) elsewhere.
+    --speculative-draft-model-quantization fp8
+                                        the drafter's attention and MLP linears in FP8 e4m3
+                                        (`mfd_sglang.fp8`: per-channel weights, dynamic per-token
+                                        activations); see `draft_quantization`. Default: SGLang's,
+                                        the target's --quantization.
 
     MFD_SGLANG_SWITCH_THRESHOLD=3       MFD_D drafts with its single-mode path while at least this
                                         many requests run in a decode batch, and with all K modes
@@ -70,6 +75,25 @@ def read_options(environ=None) -> MFDOptions:
         num_modes=_positive_int(env, NUM_MODES_ENV),
         auto_budget=auto == "1",
     )
+
+
+# --speculative-draft-model-quantization values MFD's drafter runs (None: the serving dtype).
+DRAFT_QUANTIZATIONS = (None, "fp8")
+
+
+def draft_quantization(server_args) -> str | None:
+    """What MFD's drafter runs its attention and MLP linears in, from SGLang's resolved
+    --speculative-draft-model-quantization: "fp8" or None (the serving dtype). Unset, SGLang gives the
+    draft model the target's --quantization ("unquant" resolves to None); MFD follows it where it can, so
+    an inherited method other than fp8 leaves the drafter in the serving dtype (its checkpoint is not in
+    that method's format). Set on the command line to another method: ValueError naming the flag."""
+    method = getattr(server_args, "speculative_draft_model_quantization", None)
+    if method in DRAFT_QUANTIZATIONS:
+        return method
+    if getattr(server_args, "_speculative_draft_quantization_explicitly_set", False):
+        raise ValueError(f"--speculative-draft-model-quantization {method}: MFD's drafter runs its linears in "
+                         "fp8 (online, from its bf16 / fp32 checkpoint) or unquantized; pass fp8 or unquant.")
+    return None
 
 
 def budget_from_num_draft_tokens(num_draft_tokens: int) -> int:
