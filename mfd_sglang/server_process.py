@@ -136,25 +136,32 @@ class ServerProcess:
             self._log_file = None
 
     def wait_until_idle(self, deadline_s: float = 300.0) -> dict:
-        """Poll the scheduler's load snapshots (/v1/loads) until two successive ones, both published
-        after this call, show no running and no waiting request; returns the last. While idle the
-        scheduler republishes its snapshot on every pass of its idle loop, right after SGLang's strict
-        KV-leak check (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1 kills the scheduler on a leak), so the
-        second idle snapshot follows at least one check of idle pools. Raises RuntimeError (with the
-        log's tail) when the server stops answering or does not go idle in time."""
+        """Poll the schedulers' load snapshots (/v1/loads: one per data-parallel replica) until two
+        successive ones of every replica, all published after this call, show no running and no
+        waiting request; returns the first replica's last. While idle a scheduler republishes its
+        snapshot on every pass of its idle loop, right after SGLang's strict KV-leak check
+        (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1 kills the scheduler on a leak), so each replica's
+        second idle snapshot follows at least one check of its idle pools. Raises RuntimeError (with
+        the log's tail) when the server stops answering or does not go idle in time."""
         start = time.time()
-        idle_since, load = None, None  # timestamp of the last idle snapshot seen
+        idle_since, loads = None, None  # per replica, the timestamp of its last idle snapshot seen
         while time.time() < start + deadline_s:
             try:
-                load = requests.get(self.base_url + "/v1/loads", timeout=60).json()["loads"][0]
+                loads = sorted(requests.get(self.base_url + "/v1/loads", timeout=60).json()["loads"],
+                               key=lambda load: load.get("dp_rank") or 0)
             except requests.RequestException as e:  # e.g. the leak check killed the server
                 raise RuntimeError(f"/v1/loads: {type(e).__name__}: {e}\n{log_tail(self.log_path)}") from e
-            idle = load["timestamp"] > start and load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
-            if idle and idle_since is not None and load["timestamp"] > idle_since:
-                return load
-            idle_since = load["timestamp"] if idle else None
+            stamps = [load["timestamp"] for load in loads]
+            idle = all(load["timestamp"] > start and load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
+                       for load in loads)
+            if not idle:
+                idle_since = None
+            elif idle_since is None:  # replicas republish at their own times: each must pass its first idle stamp
+                idle_since = stamps
+            elif all(now > then for now, then in zip(stamps, idle_since)):
+                return loads[0]
             time.sleep(0.2)
-        raise RuntimeError(f"the server did not go idle within {deadline_s:.0f} s (last load: {load})\n"
+        raise RuntimeError(f"the server did not go idle within {deadline_s:.0f} s (last loads: {loads})\n"
                            f"{log_tail(self.log_path)}")
 
     def log(self) -> str:

@@ -51,7 +51,10 @@ def _server_args(tiny_pair, **changes):
     ({}, None),
     ({"tp_size": 2}, None),  # tensor parallelism is served (tests/test_tp_server.py)
     ({"pp_size": 2}, "--pp-size 2: pipeline parallelism"),
-    ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),
+    ({"dp_size": 2}, None),  # replicas are served (tests/test_scale_out.py)
+    ({"dp_size": 2, "enable_dp_attention": True}, "--attn-dp-size 2 .attention data parallelism"),
+    ({"attn_dp_size": 2}, "--attn-dp-size 2 .attention data parallelism"),
+    ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode: PD disaggregation is not supported"),
     ({"page_size": 16}, None),  # pages are served (tests/test_mfd_server.py: exact at 4 and 16)
     ({"speculative_num_draft_tokens": 2000}, "tree budget of 1999 nodes"),
     ({"speculative_draft_model_path": None}, "needs --speculative-draft-model-path DIR"),
@@ -187,16 +190,25 @@ def test_deferred_context_writes_land_as_direct_writes_would(tiny_pair):
     assert deferred.count == 0 and same(snapshot(pool), snapshot(direct))
 
 
-@pytest.mark.parametrize("device, given, expected", [
-    ("cuda", {}, "flashinfer"),  # nothing resolved: FlashInfer first
-    ("cuda", {"attention_backend": "fa3"}, "flashinfer"),  # SGLang's Hopper default cannot verify a tree
-    ("cuda", {"decode_attention_backend": "trtllm_mha", "attention_backend": "triton"}, "flashinfer"),
-    ("cuda", {"attention_backend": "triton"}, "triton"),
-    ("cpu", {"attention_backend": "mfd_cpu"}, "mfd_cpu"),
+@pytest.mark.parametrize("device, given, flashinfer, expected", [
+    ("cuda", {}, True, "flashinfer"),  # nothing resolved: FlashInfer first
+    ("cuda", {}, False, "triton"),  # ... Triton where FlashInfer is not installed
+    ("cuda", {"attention_backend": "fa3"}, True, "flashinfer"),  # SGLang's Hopper default cannot verify a tree
+    ("cuda", {"attention_backend": "fa3"}, False, "triton"),
+    ("cuda", {"decode_attention_backend": "trtllm_mha", "attention_backend": "triton"}, True, "flashinfer"),
+    ("cuda", {"attention_backend": "triton"}, True, "triton"),
+    ("cuda", {"attention_backend": "flashinfer"}, False, "flashinfer"),  # the user's choice is SGLang's to check
+    ("cpu", {"attention_backend": "mfd_cpu"}, False, "mfd_cpu"),
 ])
-def test_attention_backend_is_one_that_applies_the_tree_mask(device, given, expected, caplog):
+def test_attention_backend_is_one_that_applies_the_tree_mask(device, given, flashinfer, expected, caplog,
+                                                              monkeypatch):
+    import importlib.util
+
     from mfd_sglang.serving.algorithms import resolve_attention_backend
 
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (object() if flashinfer else None) if name == "flashinfer" else find_spec(name, *a)))
     args = SimpleNamespace(device=device, attention_backend=None, prefill_attention_backend=None,
                            decode_attention_backend=None)
     vars(args).update(given)
@@ -205,6 +217,8 @@ def test_attention_backend_is_one_that_applies_the_tree_mask(device, given, expe
     assert args.attention_backend == expected
     switched = expected != given.get("attention_backend")
     assert ("cannot verify a tree" in caplog.text) == (switched and bool(given))
+    # one line says why Triton serves where FlashInfer would
+    assert ("FlashInfer is not installed" in caplog.text) == (switched and expected == "triton")
     if switched:
         assert args.prefill_attention_backend is None and args.decode_attention_backend is None
 

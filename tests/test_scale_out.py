@@ -1,0 +1,142 @@
+"""Scaling out on real SGLang CPU servers and SGLang's own argument resolution.
+
+- Data-parallel replicas (`--dp-size 2`: SGLang's DataParallelController, one scheduler per replica,
+  one core each through `SGLANG_CPU_OMP_THREADS_BIND`, round-robin): every replica starts its own MFD /
+  MFD_D worker, and concurrent greedy requests, spread evenly over both replicas, emit the target's
+  greedy tokens while speculating on each; seeded T = 1 requests emit, on either replica, exactly the
+  samples a single MFD server is held to (`reference_sample`: plain sampling of the HF target with the
+  seed's coins); every replica ends idle and leak-free. Nothing in the worker knows about replicas.
+- Attention data parallelism is refused at launch in every spelling SGLang accepts, after SGLang's
+  resolution rewrote `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1`; so is PD
+  disaggregation on either server; replicas, alone and over TP groups, pass the same resolution.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import target_greedy
+from references import TOP_K_ALL, reference_sample
+from servers import generate_ids, log_tail, served_without_leaks, start_server
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_NEW = 16
+SAMPLING = (1.0, TOP_K_ALL, 0.9, 0.0)  # temperature, top_k, top_p, min_p
+DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per replica
+
+
+# --- SGLang's argument resolution -------------------------------------------------------------------
+RESOLVE = """
+import json, sys
+from sglang.srt.arg_groups.overrides import resolution_result
+from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
+from sglang.srt.server_args import prepare_server_args
+import mfd_sglang.plugin
+
+mfd_sglang.plugin.register()
+pair, results = sys.argv[1], []
+for extra in json.loads(sys.argv[2]):
+    args = prepare_server_args(["--model-path", pair + "/target", "--device", "cpu", "--attention-backend", "mfd_cpu",
+                                "--speculative-algorithm", "MFD", "--speculative-draft-model-path", pair + "/drafter",
+                                *extra])
+    try:
+        run_resolution_pipeline(args)
+        results.append({"dp_size": resolution_result(args, "dp_size"),
+                        "attn_dp_size": resolution_result(args, "attn_dp_size")})
+    except ValueError as e:
+        results.append({"error": str(e)})
+print(json.dumps(results))
+"""
+
+
+def resolve(tiny_pair, *argvs: list[str]) -> list[dict]:
+    """SGLang 0.5.23's own CLI parsing and resolution pipeline (where MFD's `validate_server_args` runs)
+    of an MFD launch with each extra argument list: the resolved layout, or the refusal's message."""
+    out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(argvs)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_attention_dp_and_pd_are_refused_and_replicas_pass(tiny_pair):
+    old, new, alias, prefill, decode, replicas, replicated_tp = resolve(
+        tiny_pair, ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], ["--tp-size", "2", "--attn-dp-size", "2"],
+        ["--tp-size", "2", "--attention-data-parallel-size", "2"], ["--disaggregation-mode", "prefill"],
+        ["--disaggregation-mode", "decode"], ["--dp-size", "2"], ["--tp-size", "2", "--dp-size", "2"])
+    for refused in (old, new, alias):
+        assert "--attn-dp-size 2 (attention data parallelism" in refused.get("error", ""), refused
+    for mode, refused in (("prefill", prefill), ("decode", decode)):
+        assert f"--disaggregation-mode {mode}: PD disaggregation is not supported" in refused.get("error", ""), refused
+    assert replicas == {"dp_size": 2, "attn_dp_size": 1}
+    assert replicated_tp == {"dp_size": 2, "attn_dp_size": 1}
+
+
+# --- data-parallel replicas -------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["MFD", "MFD_D"])
+def dp_server(request, tiny_pair, tmp_path_factory):
+    """Two replicas of MFD or MFD_D (switching to the single-mode path at 2 running requests, so a
+    replica runs both paths below)."""
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", request.param, 8, log_level="info",
+                       threshold=2 if request.param == "MFD_D" else None, extra_args=("--dp-size", "2"),
+                       extra_env=DP_ENV)
+    srv.algorithm = request.param
+    yield from served_without_leaks(srv)
+
+
+def prompt_ids(tok, tiny_prompts) -> list[list[int]]:
+    return [tok(text, add_special_tokens=False)["input_ids"] for text in tiny_prompts[:4]]
+
+
+def test_each_replica_runs_its_own_worker(dp_server):
+    info = requests.get(dp_server.base_url + "/server_info", timeout=60).json()
+    assert (info["dp_size"], info["attn_dp_size"]) == (2, 1)
+    log = dp_server.log()
+    for rank in (0, 1):
+        assert f"DP{rank}] {dp_server.algorithm} worker: drafter" in log, log_tail(dp_server.log_path)
+
+
+def test_concurrent_greedy_requests_are_spread_over_both_replicas_and_exact(dp_server, hf_target, tiny_prompts):
+    model, tok = hf_target
+    prompts = prompt_ids(tok, tiny_prompts) * 2
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda ids: generate_ids(dp_server, ids, MAX_NEW), prompts))
+    for ids, (got, _) in zip(prompts, outs):
+        assert got == target_greedy(model, ids, MAX_NEW), log_tail(dp_server.log_path)
+    by_rank = collections.defaultdict(list)
+    for _, meta in outs:
+        by_rank[meta["dp_rank"]].append(meta)
+    assert sorted(by_rank) == [0, 1] and len(by_rank[0]) == len(by_rank[1])  # round-robin
+    for metas in by_rank.values():  # each replica speculated
+        assert sum(meta["spec_verify_ct"] for meta in metas) < len(metas) * MAX_NEW
+
+
+def test_seeded_sampling_on_either_replica_equals_the_single_server_law(dp_server, hf_target, tiny_prompts):
+    """T = 1 (top-p 0.9): four requests at once, three seeded and one not (MFD_D: its single-mode path),
+    then one seeded request sent twice in a row, which round-robin gives to each replica once (MFD_D:
+    the K-mode path). Each seeded output is plain sampling of the HF target with its seed's coins, as
+    on a single MFD server; a greedy request after them is still exact."""
+    model, tok = hf_target
+    prompts = prompt_ids(tok, tiny_prompts)
+    seeds = [11, 12, 13, None]
+    sample = dict(temperature=1.0, top_p=0.9)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        batched = list(pool.map(lambda i: generate_ids(dp_server, prompts[i], MAX_NEW, **sample, **(
+            {} if seeds[i] is None else {"sampling_seed": seeds[i]})), range(len(prompts))))
+    for ids, seed, (got, meta) in zip(prompts, seeds, batched):
+        assert meta["completion_tokens"] == MAX_NEW
+        if seed is not None:
+            assert got == reference_sample(model, ids, MAX_NEW, SAMPLING, seed), (seed, log_tail(dp_server.log_path))
+    twice = [generate_ids(dp_server, prompts[3], MAX_NEW, **sample, sampling_seed=14) for _ in range(2)]
+    assert sorted(meta["dp_rank"] for _, meta in twice) == [0, 1]
+    expected = reference_sample(model, prompts[3], MAX_NEW, SAMPLING, 14)
+    assert [got for got, _ in twice] == [expected, expected], log_tail(dp_server.log_path)
+    got, _ = generate_ids(dp_server, prompts[0], MAX_NEW)
+    assert got == target_greedy(model, prompts[0], MAX_NEW), log_tail(dp_server.log_path)
