@@ -9,10 +9,15 @@ listed in `model.safetensors.index.json`). Accepted layouts:
   Weights `fc`, `hidden_norm`, `norm`, `layers.{i}.*`, optionally under a `model.` prefix.
   No embeddings and no lm_head: the drafter borrows the target's.
 - MFD: the same plus `mode_embed [K, H]` (K learned mode embeddings) and optionally `mode_gate.*`
-  (a training-time layer, ignored) and an `mfd_config` block in config.json:
-  `{"num_modes": K, "default_mode": k | "embed", "draft_vocab_size": Vd}`. K is inferred from
-  `mode_embed` when the config is silent. A plain DFlash drafter is an MFD drafter with K = 1
-  (no embedding is added).
+  (the released drafters' training-time layer, ignored) and an `mfd_config` block in config.json:
+  `{"num_modes": K, "default_mode": k | "embed", "draft_vocab_size": Vd, "mode_prior": "gate" | "uniform"}`.
+  K is inferred from `mode_embed` when the config is silent. A plain DFlash drafter is an MFD drafter
+  with K = 1 (no embedding is added).
+- The mode gate (optional, K > 1): `mode_prior.weight [K, H]` and `mode_prior.bias [K]`, a K-way softmax
+  over the drafter's final-normed state at the block's anchor (the root slot, averaged over the K
+  copies): log pi_k weighs mode k in the tree (`mfd_sglang.tree.weigh_modes`). `mfd_config.mode_prior`
+  says which rule a checkpoint gets: "gate" needs both tensors, "uniform" (every mode weight 1, the
+  unweighted tree) refuses them; when silent, "gate" exactly when the tensors are there.
 - The default (single-mode) path used by MFD_D: `mfd_config.default_mode = k` drafts with mode k's
   embedding; `"embed"` (or a `default_mode_embed [H]` tensor with the config silent) drafts with
   that separately trained embedding. Without either, mode 0 is the default path.
@@ -42,6 +47,10 @@ _UNSPECIFIED = -1
 # Tensors that real checkpoints carry but inference does not use.
 _IGNORED_PREFIXES = ("mode_gate.", "rotary_emb.")
 
+# How the tree weighs the modes (mfd_config.mode_prior): equally, or by the mode gate's tensors.
+MODE_PRIORS = ("uniform", "gate")
+MODE_GATE_TENSORS = ("mode_prior.weight", "mode_prior.bias")
+
 
 class CheckpointError(ValueError):
     """A drafter checkpoint that cannot be used as it is; the message says what and how to fix it."""
@@ -69,6 +78,7 @@ class DrafterConfig:
     draft_vocab_size: int | None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    mode_prior: str = "uniform"  # "gate": the tree weighs the modes by the mode gate (mode_prior.*)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -165,6 +175,9 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
     elif "default_mode" in mfd and (isinstance(default_mode, bool) or not isinstance(default_mode, int) or default_mode < 0):
         raise _err("mfd_config.default_mode", default_mode, "a mode index >= 0 or \"embed\"")
     draft_vocab_size = mfd.get("draft_vocab_size")
+    mode_prior = mfd.get("mode_prior")
+    if mode_prior is not None and mode_prior not in MODE_PRIORS:
+        raise _err("mfd_config.mode_prior", mode_prior, " or ".join(f'"{p}"' for p in MODE_PRIORS))
 
     known = {
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -193,6 +206,7 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
         draft_vocab_size=draft_vocab_size,
         sliding_window=sliding_window,
         layer_types=layer_types,
+        mode_prior=mode_prior or "",  # "" until the weights say (see _resolve_modes)
         extra={k: v for k, v in raw.items() if k not in known},
     )
 
@@ -312,7 +326,33 @@ def _resolve_modes(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) -> D
         draft_vocab_size = draft_vocab.numel()
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
         raise _err("mfd_config.draft_vocab_size", cfg.draft_vocab_size, f"{draft_vocab_size} (length of draft_vocab)")
-    return replace(cfg, num_modes=num_modes, default_mode=default_mode, draft_vocab_size=draft_vocab_size)
+    return replace(cfg, num_modes=num_modes, default_mode=default_mode, draft_vocab_size=draft_vocab_size,
+                   mode_prior=_resolve_mode_prior(cfg, weights, num_modes))
+
+
+def _resolve_mode_prior(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor], num_modes: int) -> str:
+    """The tree's mode weighting: "gate" with a well-formed gate, else "uniform"; see the module docstring."""
+    present = [name for name in MODE_GATE_TENSORS if name in weights]
+    rule = cfg.mode_prior or ("gate" if present else "uniform")
+    if rule == "uniform":
+        if present:
+            raise _err(present[0], f"a {tuple(weights[present[0]].shape)} tensor",
+                       'none with mfd_config.mode_prior = "uniform"',
+                       'Set mfd_config.mode_prior to "gate" to weigh the modes by it, or remove the mode gate.')
+        return rule
+    h = cfg.hidden_size
+    if num_modes < 2:
+        raise _err("mfd_config.mode_prior" if cfg.mode_prior else present[0], "a mode gate",
+                   f"none for a drafter with K = {num_modes} mode (a gate weighs K >= 2 modes)")
+    for name, shape in zip(MODE_GATE_TENSORS, ((num_modes, h), (num_modes,))):
+        tensor = weights.get(name)
+        if tensor is None:
+            raise _err(name, None, f"a {list(shape)} tensor (the mode gate, mfd_config.mode_prior = \"gate\")",
+                       "A gate needs both mode_prior.weight and mode_prior.bias.")
+        if tuple(tensor.shape) != shape or not tensor.is_floating_point():
+            raise _err(f"{name} shape", f"{tensor.dtype} {tuple(tensor.shape)}",
+                       f"a floating {list(shape)} tensor (K = {num_modes} modes x hidden_size {h})")
+    return rule
 
 
 def validate_weights(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) -> None:
@@ -332,7 +372,7 @@ def validate_weights(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) ->
     for name, shape in shapes.items():
         if tuple(weights[name].shape) != shape:
             raise _err(f"{name} shape", tuple(weights[name].shape), str(list(shape)))
-    optional = {"mode_embed", "default_mode_embed", "draft_vocab"}
+    optional = {"mode_embed", "default_mode_embed", "draft_vocab", *MODE_GATE_TENSORS}
     unknown = sorted(n for n in weights if n not in shapes and n not in optional)
     if unknown:
         raise _err("weights", f"unknown tensors {unknown[:5]}", "only DFlash/MFD drafter tensors",
@@ -401,15 +441,29 @@ def check_fits_target(ckpt: DrafterCheckpoint, target: Any) -> None:
 
 
 def describe(ckpt: DrafterCheckpoint) -> dict[str, Any]:
-    """A JSON-friendly summary of a drafter, for `inspect`."""
+    """A JSON-friendly summary of a drafter, for `inspect`: among it the bytes of its weights as stored
+    and as a server with --speculative-draft-model-quantization fp8 holds them (attention and MLP
+    linears in e4m3 with a float32 scale per output channel, the rest as stored)."""
+    from mfd_sglang.serving.memory import drafter_weight_bytes
+
     cfg = ckpt.config
     params = sum(t.numel() for n, t in ckpt.weights.items() if n != "draft_vocab")
+    floating = [t for t in ckpt.weights.values() if t.is_floating_point()]
+    elements, dtype_bytes = sum(t.numel() for t in floating), ckpt.weights["fc.weight"].element_size()
     default_path = "default_mode_embed" if cfg.default_mode is None else f"mode {cfg.default_mode}"
+    if cfg.num_modes == 1:
+        tree_rule = "DDTree: s(u) = sum_i log q_i(u_i) (one mode)"
+    elif cfg.mode_prior == "gate":
+        tree_rule = ("weighted: s(u) = max_k [log pi_k + sum_i log q_k,i(u_i)], pi = the mode gate (mode_prior.*) "
+                     "at each block's anchor")
+    else:
+        tree_rule = "uniform: s(u) = max_k sum_i log q_k,i(u_i) (no mode gate: every mode weighs 1)"
     return {
         "path": str(ckpt.path),
         "kind": ckpt.kind,
         "num_modes": cfg.num_modes,
         "default_path": default_path,
+        "tree_rule": tree_rule,
         "layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "heads": f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv x {cfg.head_dim}",
@@ -420,5 +474,7 @@ def describe(ckpt: DrafterCheckpoint) -> dict[str, Any]:
         "draft_vocab_size": cfg.draft_vocab_size,
         "parameters": params,
         "dtype": str(ckpt.weights["fc.weight"].dtype).removeprefix("torch."),
+        "weight_bytes": drafter_weight_bytes(cfg, elements, dtype_bytes),
+        "weight_bytes_fp8": drafter_weight_bytes(cfg, elements, dtype_bytes, "fp8"),
         "ignored_tensors": list(ckpt.ignored),
     }

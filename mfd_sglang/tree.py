@@ -1,9 +1,20 @@
 """Exact mixture draft tree for Multi-Future Drafting.
 
 The drafter gives, per mode k and depth d = 1..D, log-probabilities over the vocabulary. A prefix
-u = (u_1..u_d) scores s(u) = max_k sum_{i<=d} logprobs[k, i-1, u_i]. `build_mixture_tree` returns
-the `budget` distinct prefixes (any depth 1..D) with the highest s, ties broken toward ancestors, so
-the set is prefix-closed. With one mode this is DDTree; `build_chain` is the DFlash single chain.
+u = (u_1..u_d) scores s(u) = max_k sum_{i<=d} logprobs[k, i-1, u_i], summed in depth order in the
+input's float type (at least float32). `build_mixture_tree` returns the `budget` distinct prefixes
+(any depth 1..D) with the highest s; equal scores go to the smaller depth first (ancestors, so the set
+is prefix-closed), and among equal scores at one depth the order is the builders' own (deterministic,
+the same for the torch and Triton backends). With one mode this is DDTree; `build_chain` is the
+DFlash single chain.
+
+Mode weights. A drafter with a mode gate weighs mode k by pi_k per request: s(u) = max_k [log pi_k +
+sum_{i<=d} logprobs[k, i-1, u_i]]. Every prefix of mode k holds its depth-1 token, so `weigh_modes`
+folds log pi_k into mode k's depth-1 log-probabilities and the builders stay as they are: the tree
+of `weigh_modes(logprobs, log_prior)` is the weighted rule exactly, its `scores` are the weighted
+scores, summed as (log pi_k + logprobs[k, 0, u_1]) + logprobs[k, 1, u_2] + ..., its `modes` the
+(lowest) mode reaching them. Without weights (no gate) the log-probabilities are used as they are:
+the unweighted rule, bit for bit.
 
 Everything is fixed-shape and host-sync free (it must run inside CUDA graphs) and batched over a
 leading bs dim; an unbatched input gives an unbatched tree.
@@ -16,8 +27,9 @@ states in vocabulary chunks, `MFDDrafter.block_candidates`, so no [bs, K, D, V] 
 Conventions of `DraftTree`:
   * nodes are in rank order (best score first, padding last), so parents precede children;
   * `parents` holds the node index of the parent, -1 for a child of the root;
-  * `depths` are 1-based; `scores` are path log-probs under the node's best mode (float32, or
-    float64 for float64 input), `modes` that mode (lowest index on ties);
+  * `depths` are 1-based; `scores` are path log-probs under the node's best mode, log pi_k included
+    when the input is weighted (float32, or float64 for float64 input), `modes` that mode (lowest
+    index on ties);
   * N == budget always. When fewer prefixes than `budget` exist, or the rest score -inf (prefixes
     scored -inf are never included), the tail is padding: valid False, token 0, parent -1,
     depth 1, score -inf, mode 0.
@@ -36,7 +48,7 @@ class DraftTree:
     tokens: Tensor  # int64
     parents: Tensor  # int64, node index of the parent, -1 for a child of the root
     depths: Tensor  # int64, 1-based
-    scores: Tensor  # best-mode log-prob of the node's whole path, float32 (float64 for float64 in)
+    scores: Tensor  # best-mode (weighted) log-prob of the node's path, float32 (float64 for float64 in)
     modes: Tensor  # int64, the mode achieving `scores`
     valid: Tensor  # bool, False only for padding
 
@@ -45,6 +57,8 @@ class DraftTree:
 class DraftCandidates:
     """Per (mode, depth) the C best tokens of the drafter and their log-probabilities, best first,
     equal log-probabilities in token-id order (what `top_candidates` takes from full log-probs).
+    Mode weights added after the ranking (`weigh_modes`) shift a whole (mode, depth 1) row: its order
+    stays, and two values its rounding makes equal keep their earlier order.
 
     logprobs [bs, K, D, C] float32 (float64 for float64 input); tokens [bs, K, D, C] int64 ids in
     [0, vocab); vocab: the size of the vocabulary they were ranked over. A tree of budget B reads
@@ -62,6 +76,19 @@ def top_candidates(logprobs: Tensor, count: int) -> DraftCandidates:
     # Sum in at least float32: a bf16 drafter's path scores would lose their ordering.
     top_logprobs = top_logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
     return DraftCandidates(top_logprobs, top_tokens, logprobs.shape[-1])
+
+
+def weigh_modes(logprobs: Tensor | DraftCandidates, log_prior: Tensor | None) -> Tensor | DraftCandidates:
+    """Log-probabilities [.., K, D, V] (or their DraftCandidates) with log_prior [.., K] added to every
+    depth-1 entry of its mode, in at least float32: the tree of the result weighs mode k by pi_k (see
+    the module docstring). log_prior None: `logprobs` itself (the unweighted rule)."""
+    if log_prior is None:
+        return logprobs
+    if isinstance(logprobs, DraftCandidates):
+        return DraftCandidates(weigh_modes(logprobs.logprobs, log_prior), logprobs.tokens, logprobs.vocab)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    first = logprobs[..., :1, :].to(dtype) + log_prior.to(dtype)[..., None, None]
+    return torch.cat([first, logprobs[..., 1:, :].to(dtype)], dim=-2)
 
 
 def build_mixture_tree(logprobs: Tensor | DraftCandidates, budget: int, *, backend: str = "torch") -> DraftTree:

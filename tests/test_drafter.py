@@ -2,40 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
-from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.drafter import MFDDrafter
-
-HIDDEN, N_CTX, BLOCK, VOCAB = 32, 2, 6, 50
-
-
-def make_drafter(num_modes: int = 3, default_mode: int = 0, seed: int = 0, **cfg_changes) -> MFDDrafter:
-    raw = {
-        "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "intermediate_size": 64, "vocab_size": VOCAB, "block_size": BLOCK,
-        "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1]},
-        "mfd_config": {"num_modes": num_modes, "default_mode": default_mode},
-    }
-    cfg = replace(parse_drafter_config(raw), **cfg_changes)
-    torch.manual_seed(seed)
-    drafter = MFDDrafter(cfg, context_features=N_CTX * HIDDEN)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 2 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
-    return drafter.eval()
-
-
-def inputs(bs: int, ctx_len: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    features = torch.randn(bs, ctx_len, N_CTX * HIDDEN, generator=gen)
-    ctx_pos = torch.arange(ctx_len)[None].expand(bs, -1)
-    block_embeds = torch.randn(bs, BLOCK, HIDDEN, generator=gen)
-    block_pos = ctx_len + torch.arange(BLOCK)[None].expand(bs, -1)
-    return features, ctx_pos, block_embeds, block_pos
+from references import BLOCK, HIDDEN, VOCAB, inputs, make_drafter
 
 
 def test_k_modes_in_one_pass_equal_separate_single_mode_passes():

@@ -41,10 +41,13 @@ best B-node tree's (the ceiling), `splice_chimeras` / `chimera_bound` the paper'
 `make_multimodal` trains a 4-layer Qwen3 target on universe samples (its fit to the known answer is
 reported), draws the drafters' data from the target at T = 1, and trains with the project's own
 `train` a base single-mode drafter from random weights, then from that base, with the same data and
-steps, the single-mode drafter (chain, DDTree) and the K-mode MFD drafter, as the paper fine-tunes
-its D-PACE baseline and MFD alike. The reference engine then runs chain / DDTree / MFD at every
-budget and T = 0, 1 on two kinds of rounds: whole generations, and fork rounds (the prompt ends
-just before a marker, so the first round's drafted block is exactly one whole future).
+steps, the single-mode drafter (chain, DDTree) and the K-mode MFD drafter with its mode gate, as the
+paper fine-tunes its D-PACE baseline and MFD alike. The reference engine then runs chain / DDTree /
+MFD (the gate's mode weights in the tree) / the same MFD drafter unweighted at every budget and
+T = 0, 1 on two kinds of rounds: whole generations, and fork rounds (the prompt ends just before a
+marker, so the first round's drafted block is exactly one whole future). Beside the best tree (the
+ceiling: it knows the universe, cue included), the blind ceiling is the best tree of the law the
+drafters can know (`continuations(blind=True)`: a cued future uniform), on the same output.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from .evaluate import chimera_count, node_paths
 from ..hf import SamplingParams, SpeculativeGenerator, load_target
 from .tiny import SPECIAL_TOKENS, word_level_tokenizer
 from .train import TrainConfig, cosine_lr, new_drafter_config, optimizer_step, train
-from ..tree import build_mixture_tree
+from ..tree import build_mixture_tree, weigh_modes
 
 # --- the universe (pure Python, exact) ----------------------------------------------------------
 
@@ -340,6 +343,8 @@ class Cell:
     ceiling_mass: float = 0.0  # the same for the best tree of the same budget at the same contexts
     oracle_tokens: int = 0  # the best tree's realised run on the same output
     oracle_rounds: int = 0
+    blind_tokens: int = 0  # the same for the best tree of the cue-blind law
+    blind_rounds: int = 0
     bound_checks: int = 0  # product trees holding two futures: chimeras counted against 2^(m-1) - 1
     bound_violations: int = 0
     off_universe: int = 0  # rounds whose context the universe cannot produce (a target error before)
@@ -359,6 +364,7 @@ class Cell:
             "expected_accepted": self.mass / rounds,
             "ceiling_expected_accepted": self.ceiling_mass / rounds,
             "ceiling_tau": self.oracle_tokens / self.oracle_rounds if self.oracle_rounds else None,
+            "blind_ceiling_tau": self.blind_tokens / self.blind_rounds if self.blind_rounds else None,
             "bound_checks": self.bound_checks,
             "bound_violations": self.bound_violations,
             "off_universe_rounds": self.off_universe,
@@ -382,17 +388,19 @@ def accepted_length(tree: set[tuple], actual: tuple) -> int:
 
 
 def oracle_run(universe: Universe, seq: list[int], start: int, max_new: int, budget: int, temperature: float,
-               first_round_only: bool, stop: int | None = None) -> tuple[int, int]:
+               first_round_only: bool, stop: int | None = None, *, blind: bool = False) -> tuple[int, int]:
     """(tokens, rounds) of the best tree of `budget` nodes on the output `seq` (root at `start`),
     rounds cut as the engine cuts them: at T = 1 the exact top-`budget` prefixes of the universe, at
-    T = 0 the target's own continuation (a point mass), at most DRAFT_DEPTH deep. Rounds whose root
-    sits at or after `stop` (the first token off the universe) are not run."""
+    T = 0 the target's own continuation (a point mass), at most DRAFT_DEPTH deep; blind: at either T
+    the top-`budget` prefixes of the cue-blind law (what a drafter that cannot see the cue can know).
+    Rounds whose root sits at or after `stop` (the first token off the universe) are not run."""
     tokens = rounds = 0
     emitted, pos = 1, start  # the prefill emitted the root
     while emitted < max_new and (stop is None or pos < stop):
         actual = tuple(seq[pos + 1: pos + 1 + DRAFT_DEPTH])
-        if temperature > 0:
-            tree = ideal_tree(prefix_masses(universe.continuations(seq[: pos + 1], DRAFT_DEPTH)), budget)
+        if temperature > 0 or blind:
+            law = universe.continuations(seq[: pos + 1], DRAFT_DEPTH, blind=blind)
+            tree = ideal_tree(prefix_masses(law), budget)
         else:
             tree = {actual[:d] for d in range(1, min(budget, DRAFT_DEPTH) + 1)}
         emit = min(accepted_length(tree, actual) + 1, max_new - emitted)
@@ -460,16 +468,20 @@ def run_cell(engine, universe: Universe, prompts: list[list[int]], max_new: int,
                 for a, b in _pairs_in_tree(support, set(paths)):
                     cell.bound_checks += 1
                     cell.bound_violations += splice_chimeras(paths, a, b) < chimera_bound(a, b)
-        t, n = oracle_run(universe, seq, len(prompt), max_new, budget or DRAFT_DEPTH, temperature, first_round_only,
-                          stop=off)
-        cell.oracle_tokens += t
-        cell.oracle_rounds += n
+        for blind in (False, True):
+            t, n = oracle_run(universe, seq, len(prompt), max_new, budget or DRAFT_DEPTH, temperature,
+                              first_round_only, stop=off, blind=blind)
+            if blind:
+                cell.blind_tokens, cell.blind_rounds = cell.blind_tokens + t, cell.blind_rounds + n
+            else:
+                cell.oracle_tokens, cell.oracle_rounds = cell.oracle_tokens + t, cell.oracle_rounds + n
     return cell, [o.token_ids for o in outs]
 
 
 def fork_blocks(target, drafter, universe: Universe, sequences: list[list[int]], *, single_mode: bool):
     """Teacher-forced blocks rooted at every marker with a marker CUE_DISTANCE before it: (kind, index
-    of the future that follows, the drafter's log-probs [K', D, V]) per marker."""
+    of the future that follows, the drafter's log-probs [K', D, V] (unweighted), its mode log-prior [K']
+    or None) per marker."""
     sites = [(i, m) for i, seq in enumerate(sequences) for m in universe.marker_positions(len(seq))
              if m > CUE_DISTANCE and m + DRAFT_DEPTH < len(seq)]
     ids = torch.tensor(sequences)
@@ -480,9 +492,11 @@ def fork_blocks(target, drafter, universe: Universe, sequences: list[list[int]],
         starts = torch.tensor([m for _, m in sites])
         slots = torch.arange(ids.shape[1])[None].expand(len(sites), -1)
         context = drafter.context_kv(features[rows], slots, slots < starts[:, None])
-        logprobs = drafter.block_logprobs(ids[rows, starts], starts, context, embed, head, single_mode=single_mode)
-    return [(universe.fork_kind(sequences[i], m), universe.future_of_first[sequences[i][m + 1]], lp)
-            for (i, m), lp in zip(sites, logprobs)]
+        hidden, log_prior = drafter.block_hidden(ids[rows, starts], starts, context, embed, single_mode=single_mode)
+        logprobs = drafter.logprobs(hidden, head)
+    priors = [None] * len(sites) if log_prior is None else list(log_prior)
+    return [(universe.fork_kind(sequences[i], m), universe.future_of_first[sequences[i][m + 1]], lp, prior)
+            for (i, m), lp, prior in zip(sites, logprobs, priors)]
 
 
 def drafter_fork_knowledge(universe: Universe, blocks) -> dict:
@@ -491,7 +505,7 @@ def drafter_fork_knowledge(universe: Universe, blocks) -> dict:
     that reads the cue: 1; one that cannot: 1 / M)."""
     random_probs, cued = [], []
     first_ids = [f[0] for f in universe.future_ids]
-    for kind, j, lp in blocks:
+    for kind, j, lp, _ in blocks:
         probs = lp[0, 0].exp()
         if kind == "random":
             random_probs.append([float(probs[t]) for t in first_ids])
@@ -505,13 +519,41 @@ def mode_assignment(drafter, universe: Universe, blocks, min_agree: int = 5) -> 
     """Per mode: the share of fork blocks (root = a marker, so the drafted block is one future) whose
     argmax chain follows future F_j (>= min_agree of its 7 tokens), else "mixed"."""
     counts = [dict() for _ in range(drafter.cfg.num_modes)]
-    for _, _, lp in blocks:
-        for k, chain in enumerate(drafter.to_target_ids(lp.argmax(-1)).tolist()):
-            agree = [sum(a == b for a, b in zip(chain, f)) for f in universe.future_ids]
-            j = max(range(len(agree)), key=agree.__getitem__)
-            name = future_name(j) if agree[j] >= min_agree else "mixed"
+    for _, _, lp, _ in blocks:
+        for k, j in enumerate(chain_futures(drafter, universe, lp, min_agree)):
+            name = "mixed" if j is None else future_name(j)
             counts[k][name] = counts[k].get(name, 0) + 1
     return [{name: c / max(sum(row.values()), 1) for name, c in sorted(row.items())} for row in counts]
+
+
+def chain_futures(drafter, universe: Universe, logprobs: torch.Tensor, min_agree: int = 5) -> list[int | None]:
+    """Per mode of a fork block's log-probs [K, D, V]: the future its argmax chain follows (>= min_agree
+    of its 7 tokens), else None."""
+    out = []
+    for chain in drafter.to_target_ids(logprobs.argmax(-1)).tolist():
+        agree = [sum(a == b for a, b in zip(chain, f)) for f in universe.future_ids]
+        j = max(range(len(agree)), key=agree.__getitem__)
+        out.append(j if agree[j] >= min_agree else None)
+    return out
+
+
+def gate_at_forks(drafter, universe: Universe, blocks) -> dict:
+    """What the MFD drafter's mode gate says at fork blocks, per kind of fork: the mean weight it gives
+    the modes whose chain follows each future (at random forks the known answer is FUTURE_PROBS), and
+    the share of blocks whose top-weighted mode's chain is the future that came."""
+    out = {}
+    if drafter.mode_prior is None:
+        return out
+    for kind in ("random", "cued"):
+        rows = [(j, chain_futures(drafter, universe, lp), prior.exp()) for k, j, lp, prior in blocks if k == kind]
+        if not rows:
+            continue
+        on_future = [[float(sum(p for f, p in zip(futures, pi.tolist()) if f == j)) for j in range(len(FUTURES))]
+                     for _, futures, pi in rows]
+        hits = [futures[int(pi.argmax())] == j for j, futures, pi in rows]
+        out[kind] = {"weight_on_future": _mean_rows(on_future), "top_mode_follows_it": sum(hits) / len(hits),
+                     "blocks": len(rows)}
+    return out
 
 
 def future_name(j: int) -> str:
@@ -523,9 +565,10 @@ def known_answer_at_fork(universe: Universe, budgets) -> dict:
     F_j with probability FUTURE_PROBS[j]. Per budget, the expected accepted draft tokens of
       - the product tree (DDTree) of a perfectly calibrated single-mode drafter: the exact per-position
         marginals of the mixture, and its chimera share;
-      - the mixture tree (MFD) of a perfect K = M drafter: mode j is F_j (probability 1 - 1e-6);
-      - the same mixture tree with each mode's prior log P(F_j) added to its scores (MFD's score
-        s(u) = max_k sum_i log q_k,i(u_i) has no such term: every mode's chain looks equally likely);
+      - the unweighted mixture tree (MFD without a gate) of a perfect K = M drafter: mode j is F_j
+        (probability 1 - 1e-6), every mode's chain equally likely;
+      - the weighted mixture tree of the same drafter with a perfect gate, pi_j = P(F_j)
+        (`weigh_modes`: MFD's rule with a gate);
       - the best tree (the ceiling)."""
     vocab = max(universe.ids.values()) + 1
     futures = universe.future_ids
@@ -544,9 +587,7 @@ def known_answer_at_fork(universe: Universe, budgets) -> dict:
             marginals[d][token] = marginals[d].get(token, 0.0) + p
     product = log_table(marginals)[None]
     mixture = torch.stack([log_table([{t: 1.0} for t in f]) for f in futures])
-    # Every prefix of a mode holds its depth-1 token: an offset there adds to all of the mode's scores.
-    with_priors = mixture.clone()
-    with_priors[:, 0] += torch.tensor(FUTURE_PROBS, dtype=torch.float64).log()[:, None]
+    with_priors = weigh_modes(mixture, torch.tensor(FUTURE_PROBS, dtype=torch.float64).log())
 
     def tree(logprobs, budget):
         """(node paths, node_paths tensor, valid) of the tree of these log-probs [K, D, V]."""
@@ -647,8 +688,11 @@ def evaluation_prompts(universe: Universe, rng: random.Random, settings: Setting
 
 
 def evaluate_universe(target, single, mfd, universe: Universe, prompts: dict, settings: Settings, log=print) -> dict:
-    """{T: {set: {kind: {"chain": summary, "ddtree": {B: summary}, "mfd": {B: summary},
-    "identical_outputs": bool}}}}: every method on the same prompts with the same sampling seeds."""
+    """{T: {set: {kind: {"chain": summary, "ddtree": {B: summary}, "mfd": {B: summary}, ["mfd_uniform":
+    {B: summary}], "identical_outputs": bool}}}}: every method on the same prompts with the same sampling
+    seeds; "mfd" weighs the modes by the MFD drafter's gate, "mfd_uniform" (when it has one) is the same
+    drafter's unweighted tree."""
+    trees = {"mfd": mfd} if mfd.mode_prior is None else {"mfd": mfd, "mfd_uniform": mfd.without_mode_gate()}
     results: dict = {}
     for temperature in settings.temperatures:
         for name in SETS:
@@ -658,12 +702,13 @@ def evaluate_universe(target, single, mfd, universe: Universe, prompts: dict, se
                 runs = [("chain", None, SpeculativeGenerator(target, single, tree="chain", single_mode=True))]
                 for budget in settings.budgets:
                     runs.append(("ddtree", budget, SpeculativeGenerator(target, single, budget=budget, single_mode=True)))
-                    runs.append(("mfd", budget, SpeculativeGenerator(target, mfd, budget=budget)))
-                block: dict = {"ddtree": {}, "mfd": {}}
+                    runs += [(method, budget, SpeculativeGenerator(target, drafter, budget=budget))
+                             for method, drafter in trees.items()]
+                block: dict = {"ddtree": {}, **{method: {} for method in trees}}
                 outputs = []
                 for method, budget, engine in runs:
                     cell, out = run_cell(engine, universe, rows, max_new, temperature, settings.seed, budget,
-                                         first_round_only=kind == "fork", product_tree=method != "mfd")
+                                         first_round_only=kind == "fork", product_tree=method in ("chain", "ddtree"))
                     summary = cell.summary()
                     if method == "chain":
                         block["chain"] = summary
@@ -728,7 +773,7 @@ def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool 
         train(TrainConfig(target=str(outdir / "target"), out=str(out), data=str(outdir / "data.jsonl"),
                           num_modes=num_modes, init_from=str(outdir / "drafters" / init), steps=steps,
                           batch_size=settings.batch_size, anchors=settings.anchors, lr=lr, seed=settings.seed,
-                          save_every=steps), progress=progress, log=log)
+                          save_every=steps, mode_gate=num_modes > 1), progress=progress, log=log)
         stage(f"drafter_{name}", t)
         return out
 
@@ -742,13 +787,14 @@ def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool 
     log("[make-multimodal] diagnostics (teacher forced on fresh universe samples)")
     probe_rng = random.Random(settings.seed + 1)
     probes = corpus(universe, probe_rng, settings.probe_sequences)
+    mfd_blocks = fork_blocks(target, mfd, universe, probes, single_mode=False)
     diagnostics = {
         "target_fit": target_fit(target, universe, probes),
         "target_samples_off_universe": off / max(len(data), 1),
         "single_drafter_at_forks": drafter_fork_knowledge(universe, fork_blocks(target, single, universe, probes,
                                                                                 single_mode=True)),
-        "mfd_mode_assignment": mode_assignment(mfd, universe, fork_blocks(target, mfd, universe, probes,
-                                                                         single_mode=False)),
+        "mfd_mode_assignment": mode_assignment(mfd, universe, mfd_blocks),
+        "mfd_gate_at_forks": gate_at_forks(mfd, universe, mfd_blocks),
         "known_answer_at_random_fork": known_answer_at_fork(universe, settings.budgets),
     }
     stage("diagnostics", t0)
@@ -770,6 +816,7 @@ def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool 
         "diagnostics": diagnostics,
         "bound": bound_summary(results),
         "expectation": expectation(results, settings),
+        "goals": goals(results),
         "seconds": seconds,
     }
 
@@ -780,12 +827,15 @@ def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool 
     return report
 
 
+TREE_METHODS = ("ddtree", "mfd", "mfd_uniform")
+
+
 def _cells(results: dict):
     """(T, set, kind, method, budget, summary) for every tree cell."""
     for t, per_t in results.items():
         for name, per_set in per_t.items():
             for kind, block in per_set.items():
-                for method in ("ddtree", "mfd"):
+                for method in (m for m in TREE_METHODS if m in block):
                     for budget, summary in block[method].items():
                         yield t, name, kind, method, budget, summary
 
@@ -819,6 +869,34 @@ def expectation(results: dict, settings: Settings) -> dict:
     return out
 
 
+GOAL_CEILING_SHARE, GOAL_CEILING_FROM = 0.95, 16
+
+
+def goals(results: dict) -> dict:
+    """Issue 43's goals, cell by cell: MFD / DDTree tau in every cell (>= 1), and MFD / the best tree
+    (and / the cue-blind best tree) on whole generations from B = GOAL_CEILING_FROM (>= .95); the cells
+    that miss each, and the same for the unweighted tree when there is one."""
+    out: dict = {}
+    for method in ("mfd", "mfd_uniform"):
+        over_ddtree, over_ceiling = {}, {}
+        for t, name, kind, m, budget, summary in _cells(results):
+            if m != method:
+                continue
+            key = f"T={float(t):g}/{name}/{kind}/B={budget}"
+            over_ddtree[key] = _ratio(summary["tau"], results[t][name][kind]["ddtree"][budget]["tau"])
+            if kind == "generation" and int(budget) >= GOAL_CEILING_FROM:
+                over_ceiling[key] = {"ceiling": _ratio(summary["tau"], summary["ceiling_tau"]),
+                                     "blind_ceiling": _ratio(summary["tau"], summary["blind_ceiling_tau"])}
+        if over_ddtree:
+            out[method] = {
+                "over_ddtree": over_ddtree,
+                "below_ddtree": sorted(k for k, r in over_ddtree.items() if r is not None and r < 1.0),
+                "over_ceiling": over_ceiling,
+                "below_ceiling_goal": sorted(k for k, r in over_ceiling.items()
+                                             if r["ceiling"] is not None and r["ceiling"] < GOAL_CEILING_SHARE)}
+    return out
+
+
 def format_report(report: dict) -> str:
     """The report as Markdown: one table per temperature, set and kind of round, then the diagnostics."""
     budgets = report["settings"]["budgets"]
@@ -836,19 +914,28 @@ def format_report(report: dict) -> str:
                     cells = [block[method][str(b)][key] for b in budgets]
                     lines.append(f"| {label} | " + " | ".join("-" if c is None else fmt.format(c) for c in cells) + " |")
 
+                def ratio_row(label: str, top: tuple, bottom: tuple) -> None:
+                    ratios = [_ratio(block[top[0]][str(b)][top[1]], block[bottom[0]][str(b)][bottom[1]]) for b in budgets]
+                    lines.append(f"| {label} | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in ratios) + " |")
+
                 chain = block["chain"]["tau"]
                 lines.append(f"| tau chain | {'-' if chain is None else f'{chain:.2f}'} (any budget) |" + " |" * (len(budgets) - 1))
                 row("tau DDTree", "ddtree", "tau")
                 row("tau MFD", "mfd", "tau")
-                ratios = [_ratio(block["mfd"][str(b)]["tau"], block["ddtree"][str(b)]["tau"]) for b in budgets]
-                lines.append("| MFD / DDTree | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in ratios) + " |")
+                ratio_row("MFD / DDTree", ("mfd", "tau"), ("ddtree", "tau"))
+                if "mfd_uniform" in block:
+                    row("tau MFD unweighted (same drafter, no gate)", "mfd_uniform", "tau")
+                    ratio_row("MFD unweighted / DDTree", ("mfd_uniform", "tau"), ("ddtree", "tau"))
                 row("tau ceiling (best tree, same output)", "mfd", "ceiling_tau")
-                bounds = [_ratio(block["mfd"][str(b)]["ceiling_tau"], block["ddtree"][str(b)]["tau"]) for b in budgets]
-                lines.append("| ceiling / DDTree (no tree does better) | "
-                             + " | ".join("-" if r is None else f"{r:.2f}x" for r in bounds) + " |")
+                ratio_row("ceiling / DDTree (no tree does better)", ("mfd", "ceiling_tau"), ("ddtree", "tau"))
+                ratio_row("MFD / ceiling", ("mfd", "tau"), ("mfd", "ceiling_tau"))
+                row("tau blind ceiling (best tree of the cue-blind law)", "mfd", "blind_ceiling_tau")
+                ratio_row("MFD / blind ceiling", ("mfd", "tau"), ("mfd", "blind_ceiling_tau"))
                 if float(t) > 0:
                     row("E[accepted] DDTree (exact)", "ddtree", "expected_accepted")
                     row("E[accepted] MFD (exact)", "mfd", "expected_accepted")
+                    if "mfd_uniform" in block:
+                        row("E[accepted] MFD unweighted (exact)", "mfd_uniform", "expected_accepted")
                     row("E[accepted] best tree (exact ceiling)", "mfd", "ceiling_expected_accepted")
                 row("chimera share DDTree", "ddtree", "chimera_share", "{:.3f}")
                 row("chimera share MFD", "mfd", "chimera_share", "{:.3f}")
@@ -865,8 +952,8 @@ def format_report(report: dict) -> str:
     lines += ["", "### Known answer at a random fork (closed form, no training): E[accepted draft tokens]", "",
               "| | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for key, label in (("product", "product tree of the exact marginals (ideal DDTree)"),
-                       ("mixture", "mixture tree, one exact mode per future (ideal MFD)"),
-                       ("mixture_with_priors", "the same + log P(F_j) per mode (not in MFD's score)"),
+                       ("mixture", "mixture tree, one exact mode per future, unweighted (ideal MFD, no gate)"),
+                       ("mixture_with_priors", "the same with a perfect gate, pi_j = P(F_j) (weighted MFD)"),
                        ("best", "best tree (ceiling)"), ("product_chimera_share", "chimera share, ideal DDTree")):
         lines.append(f"| {label} | " + " | ".join(f"{known[str(b)][key]:.2f}" for b in budgets) + " |")
     fit, know = d["target_fit"], d["single_drafter_at_forks"]
@@ -883,6 +970,11 @@ def format_report(report: dict) -> str:
               "- MFD mode -> future (share of fork blocks whose mode argmax chain follows it):"]
     for k, row in enumerate(d["mfd_mode_assignment"]):
         lines.append(f"  - mode {k}: " + ", ".join(f"{n} {v:.2f}" for n, v in row.items()))
+    for kind, gate in d.get("mfd_gate_at_forks", {}).items():
+        lines.append(f"- MFD's mode gate at {kind} forks ({gate['blocks']} blocks): weight on the modes of F0..F3 "
+                     f"{_fmt(gate['weight_on_future'])}"
+                     + (f" (known {_fmt(list(FUTURE_PROBS))})" if kind == "random" else " (blind: .25 each)")
+                     + f"; its top mode follows the future that came in {gate['top_mode_follows_it']:.2f} of them")
     b = report["bound"]
     lines += [f"- bound 2^(m-1) - 1 on DDTree trees holding two futures: {b['checks']} checks, "
               f"{b['violations']} violations"]
@@ -893,6 +985,16 @@ def format_report(report: dict) -> str:
                      f"{'-' if share is None else f'{share:.3f}'} (>= {EXPECTED_CHIMERAS}): {'met' if e['met'] else 'NOT met'}"
                      + ("" if e["ceiling_over_ddtree"] is None
                         else f"; the best tree itself reaches {e['ceiling_over_ddtree']:.2f}x DDTree"))
+    for method, goal in report.get("goals", {}).items():
+        label = "MFD" if method == "mfd" else "MFD unweighted"
+        lines.append(f"- goal, {label} >= DDTree in all {len(goal['over_ddtree'])} cells: "
+                     + ("met" if not goal["below_ddtree"] else
+                        f"{len(goal['below_ddtree'])} below: " + ", ".join(
+                            f"{k} {goal['over_ddtree'][k]:.2f}x" for k in goal["below_ddtree"])))
+        lines.append(f"- goal, {label} >= {GOAL_CEILING_SHARE} x the best tree on whole generations from "
+                     f"B = {GOAL_CEILING_FROM}: " + ("met" if not goal["below_ceiling_goal"] else ", ".join(
+                         f"{k} {goal['over_ceiling'][k]['ceiling']:.2f} (blind ceiling: "
+                         f"{_fmt_ratio(goal['over_ceiling'][k]['blind_ceiling'])})" for k in goal["below_ceiling_goal"])))
     lines.append("- wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in report["seconds"].items()))
     return "\n".join(lines).lstrip("\n")
 
@@ -901,13 +1003,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _fmt(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
 def plot_report(report: dict, path) -> None:
-    """Whole generations, one column per (T, set): tau against the budget for DDTree, MFD and the best
-    tree (the ceiling), and below it the chimera share of DDTree's and MFD's trees."""
+    """Whole generations, one column per (T, set): tau against the budget for DDTree, MFD (and MFD
+    unweighted), the best tree (the ceiling) and the cue-blind best tree, and below it the chimera share
+    of DDTree's and MFD's trees."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -919,11 +1026,16 @@ def plot_report(report: dict, path) -> None:
         block = report["results"][t][name]["generation"]
         budgets = sorted(int(b) for b in block["ddtree"])
         tau, share = axes[0][col], axes[1][col]
-        for method, label in (("ddtree", "DDTree"), ("mfd", "MFD")):
-            tau.plot(budgets, [block[method][str(b)]["tau"] for b in budgets], marker="o", label=label)
-            share.plot(budgets, [block[method][str(b)]["chimera_share"] for b in budgets], marker="o", label=label)
+        for method, label in (("ddtree", "DDTree"), ("mfd", "MFD"), ("mfd_uniform", "MFD unweighted")):
+            if method not in block:
+                continue
+            style = ":" if method == "mfd_uniform" else "-"
+            tau.plot(budgets, [block[method][str(b)]["tau"] for b in budgets], style, marker="o", label=label)
+            share.plot(budgets, [block[method][str(b)]["chimera_share"] for b in budgets], style, marker="o", label=label)
         tau.plot(budgets, [block["ddtree"][str(b)]["ceiling_tau"] for b in budgets], "--", color="gray",
                  label="best tree")
+        tau.plot(budgets, [block["ddtree"][str(b)]["blind_ceiling_tau"] for b in budgets], ":", color="gray",
+                 label="best tree, cue-blind")
         tau.set_title(f"T = {float(t):g}, {name} sequences", fontsize=9)
         for ax in (tau, share):
             ax.set_xscale("log", base=2)

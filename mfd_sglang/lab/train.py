@@ -15,6 +15,11 @@ none dies). The best mode is the one with the lowest weighted loss ("decay", wha
 or the largest coverage sum_d prod_{i <= d} q_{k,i} ("dpace": the expected chain acceptance). MFD_D's
 default path (`default_mode_embed`) can be trained alongside on every example with plain loss.
 
+The mode gate (`mode_prior`, when the drafter has one) learns that best mode as its label:
+cross-entropy of `MFDDrafter.mode_log_prior` on the anchor states, which are detached, and the
+body's gradient clipping leaves the gate out, so the gate never changes what the modes learn (the
+same run without a gate trains the same body).
+
 Labels past the end of a sequence, or outside the drafter's draft vocabulary, are ignored (no loss);
 for D-PACE a label past the end stops the chain, a label outside the draft vocabulary has q = 0.
 
@@ -99,6 +104,8 @@ class LossOutput:
     wins: torch.Tensor | None  # [K] examples won by each mode (K > 1)
     accuracy: torch.Tensor  # [D] top-1 agreement of the best mode per position (valid labels)
     cross_entropy: torch.Tensor  # mean nll of the valid labels under the best mode (a plain progress measure)
+    gate_loss: torch.Tensor | None = None  # the mode gate's cross-entropy on the best mode (detached), if any
+    gate_accuracy: torch.Tensor | None = None  # share of examples whose gate's top mode is the best mode
 
 
 def _per_position(drafter: MFDDrafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor):
@@ -155,7 +162,7 @@ def block_loss(drafter: MFDDrafter, embed_weight: torch.Tensor, lm_head_weight: 
         w = dpace_weights(label_probs(nll), alpha, None if in_seq is None else in_seq[:, None])
         return (nll * w).sum(-1)
 
-    hidden = drafter(embeds, positions, context)  # [n, K, D, H]
+    hidden, anchor = drafter(embeds, positions, context, with_anchor=True)  # [n, K, D, H], [n, K, H]
     nll, argmax = _per_position(drafter, hidden, lm_head_weight, labels)
     per_mode = weighted(nll)
     num_modes = per_mode.shape[1]
@@ -172,6 +179,13 @@ def block_loss(drafter: MFDDrafter, embed_weight: torch.Tensor, lm_head_weight: 
         wins = torch.bincount(best, minlength=num_modes)
         mode_loss = (weights * per_mode).sum(-1).mean()
     total = mode_loss
+    gate_loss = gate_accuracy = None
+    log_prior = drafter.mode_log_prior(anchor.detach())
+    if log_prior is not None:
+        gate_loss = torch.nn.functional.nll_loss(log_prior, best)
+        gate_accuracy = (log_prior.detach().argmax(-1) == best).float().mean()
+        total = total + gate_loss
+        gate_loss = gate_loss.detach()
     default_loss = None
     if default_path:
         d_hidden = drafter(embeds, positions, context, single_mode=True)
@@ -187,7 +201,7 @@ def block_loss(drafter: MFDDrafter, embed_weight: torch.Tensor, lm_head_weight: 
     else:
         accuracy, cross_entropy = hit.mean(0), best_nll.mean()
     return LossOutput(total, mode_loss.detach(), None if default_loss is None else default_loss.detach(), wins,
-                      accuracy.detach(), cross_entropy)
+                      accuracy.detach(), cross_entropy, gate_loss, gate_accuracy)
 
 
 def drafter_loss(drafter: MFDDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -249,6 +263,7 @@ class TrainConfig:
     alpha: float = DPACE_ALPHA
     winner_share: float = WINNER_SHARE
     max_seq_len: int = 512
+    mode_gate: bool = False  # also train the mode gate (K > 1): the tree's per-request mode weights
     # Settings that may change between a run and its --resume without changing what is computed.
     RESUMABLE_CHANGES = ("out", "data", "save_every")
 
@@ -349,11 +364,13 @@ def _rope_theta(tc) -> float:
     return theta
 
 
-def _with_modes(raw: dict, num_modes: int, draft_vocab_size: int | None) -> dict:
+def _with_modes(raw: dict, num_modes: int, draft_vocab_size: int | None, mode_gate: bool) -> dict:
     raw = json.loads(json.dumps(raw))
     mfd = {"num_modes": num_modes, "default_mode": "embed" if num_modes > 1 else 0}
     if draft_vocab_size is not None:
         mfd["draft_vocab_size"] = draft_vocab_size
+    if mode_gate:
+        mfd["mode_prior"] = "gate"
     raw["mfd_config"] = mfd
     raw["torch_dtype"] = "float32"
     return raw
@@ -382,7 +399,7 @@ def init_drafter(cfg: TrainConfig, target, tokenizer, sequences, generator: torc
         draft_vocab = build_draft_vocab(sequences, cfg.draft_vocab_size)
     elif base is not None and base.draft_vocab is not None:
         draft_vocab = base.draft_vocab.clone()
-    raw = _with_modes(raw, cfg.num_modes, None if draft_vocab is None else int(draft_vocab.numel()))
+    raw = _with_modes(raw, cfg.num_modes, None if draft_vocab is None else int(draft_vocab.numel()), cfg.mode_gate)
     dcfg = parse_drafter_config(raw)
     n_ctx = len(dcfg.target_layer_ids) * target.config.hidden_size
     drafter = MFDDrafter(dcfg, context_features=n_ctx)
@@ -400,7 +417,7 @@ def init_drafter(cfg: TrainConfig, target, tokenizer, sequences, generator: torc
             skip = {"mode_embed", "default_mode_embed", "draft_vocab"}
             own = drafter.state_dict()
             for name, tensor in base.state_dict().items():
-                if name not in skip:
+                if name not in skip and name in own:  # the base's gate only when this run trains one
                     own[name].copy_(tensor)
             centre = base.mode_vectors(single_mode=True)[0].detach().float()
         if dcfg.num_modes > 1:
@@ -411,6 +428,11 @@ def init_drafter(cfg: TrainConfig, target, tokenizer, sequences, generator: torc
                 drafter.mode_embed.copy_(centre[None] + noise)
         if drafter.default_mode_embed is not None:
             drafter.default_mode_embed.copy_(centre)
+        if drafter.mode_prior is not None and not (base is not None and base.mode_prior is not None
+                                                   and base.cfg.num_modes == dcfg.num_modes):
+            # A zero gate starts at uniform weights: today's tree, until it learns otherwise.
+            drafter.mode_prior.weight.zero_()
+            drafter.mode_prior.bias.zero_()
     return drafter, raw
 
 
@@ -463,6 +485,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
 
     if cfg.num_modes < 1:
         raise ValueError(f"--num-modes must be >= 1, got {cfg.num_modes}")
+    if cfg.mode_gate and cfg.num_modes < 2:
+        raise ValueError(f"--mode-gate weighs K >= 2 modes, got --num-modes {cfg.num_modes}")
     if cfg.loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {cfg.loss!r}")
     if cfg.dtype not in DTYPES:
@@ -489,6 +513,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     fingerprint = _fingerprint(cfg, sequences)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    # The gate's gradient stays out of the body's clipping norm (see the module docstring).
+    gate_params = set() if drafter.mode_prior is None else set(drafter.mode_prior.parameters())
+    body_params = [p for p in params if p not in gate_params]
     peak = cfg.lr if cfg.lr is not None else (1e-4 if cfg.init_from else 6e-4)
     warmup = max(1, round(cfg.warmup * cfg.steps))
     default_path = drafter.default_mode_embed is not None
@@ -551,7 +578,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                                     loss=cfg.loss, alpha=cfg.alpha, winner_share=cfg.winner_share,
                                     default_path=default_path)
             lr = cosine_lr(step, cfg.steps, peak, warmup)
-            optimizer_step(optimizer, result.loss, lr, clip_params=params)
+            optimizer_step(optimizer, result.loss, lr, clip_params=body_params)
             step += 1
             value = float(result.loss.detach())
             losses.append(value)
@@ -560,6 +587,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             postfix = {"loss": f"{smooth:.3f}", "ce": f"{float(result.cross_entropy):.2f}", "lr": f"{lr:.1e}", "acc@1": f"{float(result.accuracy[0]):.2f}"}
             if result.default_loss is not None:
                 line["default_loss"] = float(result.default_loss)
+            if result.gate_loss is not None:
+                line["gate_loss"], line["gate_accuracy"] = float(result.gate_loss), float(result.gate_accuracy)
+                postfix["gate@1"] = f"{float(result.gate_accuracy):.2f}"
             if result.wins is not None:
                 wins_total += result.wins.cpu()
                 line["wins"] = result.wins.tolist()
