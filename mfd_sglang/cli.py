@@ -14,9 +14,13 @@ from .checkpoint import CheckpointError
 def _make_tiny(args: argparse.Namespace) -> int:
     from .lab.tiny import make_tiny
 
-    make_tiny(args.outdir, seed=args.seed, num_modes=args.num_modes,
-              target_steps=args.target_steps, drafter_steps=args.drafter_steps, hybrid=args.hybrid,
-              log=(lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr)))
+    try:
+        make_tiny(args.outdir, seed=args.seed, num_modes=args.num_modes,
+                  target_steps=args.target_steps, drafter_steps=args.drafter_steps, hybrid=args.hybrid,
+                  log=(lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr)))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(args.outdir)
     return 0
 
@@ -102,9 +106,12 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
     else:
+        notes = {"weight_bytes_fp8": f"({info['weight_bytes_fp8'] / info['weight_bytes']:.2f}x, with "
+                 "--speculative-draft-model-quantization fp8: attention and MLP linears in e4m3 with a float32 "
+                 "scale per output channel, the rest as stored)"}
         width = max(map(len, info))
         for key, value in info.items():
-            print(f"{key:<{width}}  {value}")
+            print(f"{key:<{width}}  {value}" + (f"  {notes[key]}" if key in notes else ""))
     return 0
 
 
@@ -184,7 +191,7 @@ def _eval(args: argparse.Namespace) -> int:
               file=sys.stderr)
     results = evaluate.evaluate(target, drafters["single"], drafters["mfd"], prompt_sets, args.budgets,
                                 args.max_new_tokens, eos, log=lambda *a: print(*a, file=sys.stderr),
-                                temperature=args.temperature, seed=args.seed)
+                                temperature=args.temperature, seed=args.seed, fp8=args.fp8_draft)
     print(evaluate.format_table(results, args.budgets))
     if args.out:
         evaluate.write_json(results, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv), args.budgets,
@@ -231,10 +238,10 @@ def _train(args: argparse.Namespace) -> int:
         steps=args.steps, batch_size=args.batch_size, anchors=args.anchors, block_size=args.block_size,
         layers=args.layers, lr=args.lr, warmup=args.warmup, seed=args.seed, dtype=args.dtype,
         draft_vocab_size=args.draft_vocab_size, save_every=args.save_every, loss=args.loss,
-        max_seq_len=args.max_seq_len,
+        max_seq_len=args.max_seq_len, mode_gate=args.mode_gate,
     )
     try:
-        train(cfg, resume=args.resume, progress=not args.quiet,
+        train(cfg, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after,
               log=(lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr)))
     except (ValueError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -270,10 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-tiny", help="build a small target + MFD drafter pair that agree (offline, < 1 min)")
-    p.add_argument("outdir", help="writes OUTDIR/target, OUTDIR/drafter and OUTDIR/prompts.json")
-    p.add_argument("--seed", type=int, default=0, help="same seed, same pair (default 0)")
-    p.add_argument("--num-modes", type=int, default=4, help="K, the drafter's number of modes (default 4)")
+    p = sub.add_parser("make-tiny", help="build a small target, an MFD drafter and a single-mode drafter, trained "
+                       "alike, that agree with it (offline, < 1 min)")
+    p.add_argument("outdir", help="writes OUTDIR/target, OUTDIR/drafter-dflash (single-mode, DFlash format: DDTree, "
+                   "SGLang's DFLASH), OUTDIR/drafter (MFD) and OUTDIR/prompts.json")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same files (default 0)")
+    p.add_argument("--num-modes", type=int, default=4, help="K, the MFD drafter's number of modes, >= 2 (default 4)")
     p.add_argument("--hybrid", action="store_true", help="a Qwen3.5-shaped hybrid target (Gated DeltaNet layers "
                    "before one full-attention layer) instead of a Qwen3-shaped one")
     p.add_argument("--target-steps", type=int, default=400, help=argparse.SUPPRESS)
@@ -387,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; > 0: sampled with the target's law (prompt i with seed + i, for every method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at --temperature > 0")
+    p.add_argument("--fp8-draft", action="store_true",
+                   help="also replay every method with both drafters' attention and MLP linears in FP8 e4m3 (what "
+                        "--speculative-draft-model-quantization fp8 serves) over the same continuations: per set "
+                        "under \"fp8\" in the JSON, with FP8 / unquantized tau in the table")
     p.add_argument("--out", help="write the results as JSON here (e.g. runs/eval/mfd4-T1-code.json)")
     p.add_argument("--plot", help="write a tau vs budget PNG here")
     p.set_defaults(func=_eval)
@@ -437,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", choices=["dpace", "decay"], default="dpace",
                    help="dpace: D-PACE (alpha 0.5); decay: cross-entropy weighted exp(-(k-1)/7) (default dpace)")
     p.add_argument("--max-seq-len", type=int, default=512, help="training sequences are cut to this many tokens (default 512)")
+    p.add_argument("--mode-gate", action="store_true",
+                   help="K > 1: also train the mode gate (mode_prior.*), a K-way softmax on the drafter's state at the "
+                        "block's anchor with each block's winning mode as the label; the tree then weighs each mode by it")
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="end this call once STEP steps are done in total (saved; continue with --resume): training in "
+                        "chunks on a shared machine")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_train)
     return parser

@@ -9,11 +9,23 @@ feeds the TARGET's lm_head.
 
 MFD: copy k of the block gets mode embedding k added to every position. All K copies share the
 context keys/values and run in the same forward pass; a copy never sees another copy's block.
+
+Mode gate (`mode_prior`, optional): a K-way softmax over the final-normed state of the block's anchor
+slot (the root), averaged over the K copies, gives each request's mode weights pi. `block_logprobs`
+and `block_candidates` return what the tree reads with log pi folded into depth 1
+(`mfd_sglang.tree.weigh_modes`), so every engine weighs the modes alike; without a gate (or on the
+single-mode path) they are the drafter's log-probabilities as they are.
+
+FP8 (`from_checkpoint(..., fp8_linears=True)`, a server's `--speculative-draft-model-quantization fp8`):
+every layer's attention projections and MLP (`FP8_LINEARS`) run as `mfd_sglang.fp8.FP8Linear`, as SGLang's
+online FP8 quantizes a DFlash draft model's layers; the context projection `fc`, the norms, the mode
+embeddings and the target's embeddings and head stay in the serving dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -21,11 +33,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import DrafterCheckpoint, DrafterConfig
-from .tree import DraftCandidates
+from .fp8 import FP8Linear
+from .tree import DraftCandidates, weigh_modes
 
 # Vocabulary rows scored at once when only the top candidates are needed: bounds the draft's
 # memory to [bs, K, D, VOCAB_CHUNK] logits (plus their sort) whatever the vocabulary size.
 VOCAB_CHUNK = 4096
+# The linears of every drafter layer that FP8 drafting quantizes (SGLang's DFlash draft model passes its
+# quantization config to these and keeps `fc` a plain linear).
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_linear_shapes(cfg: DrafterConfig) -> list[tuple[int, int]]:
+    """(out, in) features of every linear FP8 drafting quantizes, all layers."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)] * cfg.num_hidden_layers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -207,13 +230,16 @@ class MFDDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.mode_embed = nn.Parameter(torch.zeros(cfg.num_modes, h), requires_grad=cfg.num_modes > 1)
         self.default_mode_embed = nn.Parameter(torch.zeros(h)) if cfg.default_mode is None else None
+        self.mode_prior = nn.Linear(h, cfg.num_modes) if cfg.mode_prior == "gate" else None
         self.register_buffer("draft_vocab", None)
         # A plain DFlash checkpoint has no mode_embed; the module then holds one zero row.
         self.carries_mode_embed = cfg.num_modes > 1
 
     # --- loading -------------------------------------------------------------------------------
     @classmethod
-    def from_checkpoint(cls, ckpt: DrafterCheckpoint, *, dtype: torch.dtype | None = None) -> "MFDDrafter":
+    def from_checkpoint(cls, ckpt: DrafterCheckpoint, *, dtype: torch.dtype | None = None,
+                        fp8_linears: bool = False) -> "MFDDrafter":
+        """The drafter in `dtype` (default: the checkpoint's); fp8_linears: then `quantize_linears_fp8`."""
         w = ckpt.weights
         model = cls(ckpt.config, context_features=w["fc.weight"].shape[1])
         weights = _to_module_names(w, ckpt.config)
@@ -224,7 +250,17 @@ class MFDDrafter(nn.Module):
         model.load_state_dict(weights, strict=True)
         if dtype is not None:
             model.to(dtype)
+        if fp8_linears:
+            model.quantize_linears_fp8()
         return model.eval()
+
+    def quantize_linears_fp8(self) -> "MFDDrafter":
+        """Every layer's `FP8_LINEARS` as `FP8Linear`, quantized from their weights in the current dtype
+        (in place; returns self). A later dtype cast would cast the e4m3 weights too: cast first."""
+        for layer in self.layers:
+            for name in FP8_LINEARS:
+                setattr(layer, name, FP8Linear.from_linear(getattr(layer, name)))
+        return self
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """Weights under the checkpoint's (z-lab) names; inverse of from_checkpoint."""
@@ -261,7 +297,7 @@ class MFDDrafter(nn.Module):
         return self.mode_embed[self.cfg.default_mode : self.cfg.default_mode + 1]
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context: DraftContext,
-                *, single_mode: bool = False) -> torch.Tensor:
+                *, single_mode: bool = False, with_anchor: bool = False):
         """Draft all modes in one pass.
 
         block_embeds [bs, T, H]: target embeddings of `[last verified token, MASK x (T-1)]`;
@@ -269,7 +305,8 @@ class MFDDrafter(nn.Module):
         (full attention only: drafters with sliding layers need the DraftContext). Returns the
         final-normed hidden states [bs, K', T-1, H] of the drafted positions (the first block slot
         is dropped), contiguous: a strided view would make every `hidden @ head.T` of its consumers copy
-        the head per (request, mode) on CPU.
+        the head per (request, mode) on CPU. with_anchor: also the dropped slot's states [bs, K', H] (the
+        mode gate's input), as a tuple.
         """
         bs, t, h = block_embeds.shape
         modes = self.mode_vectors(single_mode).to(block_embeds.dtype)
@@ -284,8 +321,23 @@ class MFDDrafter(nn.Module):
             attends = [context.attend(i, num_modes=k) for i in range(len(self.layers))]
         for layer, attend in zip(self.layers, attends):
             x = layer(x, positions, attend)
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return x.view(bs, k, t, h)[:, :, 1:].contiguous()
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps).view(bs, k, t, h)
+        drafted = x[:, :, 1:].contiguous()
+        return (drafted, x[:, :, 0]) if with_anchor else drafted
+
+    def without_mode_gate(self) -> "MFDDrafter":
+        """A copy with the same weights and no mode gate: the same drafts, the unweighted tree (to compare
+        the two rules on one drafter)."""
+        plain = copy.deepcopy(self)
+        plain.mode_prior, plain.cfg = None, replace(self.cfg, mode_prior="uniform")
+        return plain
+
+    def mode_log_prior(self, anchor: torch.Tensor) -> torch.Tensor | None:
+        """log pi [bs, K] (float32) of the mode gate on the anchor states [bs, K, H] of the K copies;
+        None without a gate or for a single copy (the unweighted tree)."""
+        if self.mode_prior is None or anchor.shape[1] == 1:
+            return None
+        return torch.log_softmax(self.mode_prior(anchor.mean(1)).float(), dim=-1)
 
     def _attention_mask(self, context: DraftContext, block_positions: torch.Tensor, k: int) -> list[torch.Tensor]:
         """Per-layer bool masks [bs, 1, K*T, Lc + K*T]: valid context + own mode's block (bidirectional).
@@ -308,30 +360,34 @@ class MFDDrafter(nn.Module):
         return masks
 
     def block_hidden(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor, *,
-                     single_mode: bool = False) -> torch.Tensor:
-        """Final hidden states [bs, K', D, H] of the blocks `[root, MASK...]` at positions starts.. over
-        the context (DraftContext or paged), with the target's embeddings."""
+                     single_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final hidden states [bs, K', D, H], the mode log-prior [bs, K'] or None: `mode_log_prior`) of
+        the blocks `[root, MASK...]` at positions starts.. over the context (DraftContext or paged), with the
+        target's embeddings."""
         block = self.cfg.block_size
         tokens = torch.full((roots.shape[0], block), self.cfg.mask_token_id, device=roots.device)
         tokens[:, 0] = roots
         positions = starts[:, None].long() + torch.arange(block, device=roots.device)
-        return self(embed_weight[tokens], positions, context, single_mode=single_mode)
+        hidden, anchor = self(embed_weight[tokens], positions, context, single_mode=single_mode, with_anchor=True)
+        return hidden, self.mode_log_prior(anchor)
 
     def block_logprobs(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
                        lm_head_weight: torch.Tensor, *, single_mode: bool = False) -> torch.Tensor:
-        """Log-probs [bs, K', D, Vd] of the blocks (the full distributions: training, evaluation)."""
-        hidden = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
-        return self.logprobs(hidden, lm_head_weight)
+        """Log-probs [bs, K', D, Vd] of the blocks (the full distributions: the reference engine, evaluation),
+        the mode log-prior folded in (`weigh_modes`): what the tree reads."""
+        hidden, log_prior = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
+        return weigh_modes(self.logprobs(hidden, lm_head_weight), log_prior)
 
     def block_candidates(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
                          head_weight: torch.Tensor, count: int, *, single_mode: bool = False,
                          chunk_size: int = VOCAB_CHUNK, backend: str = "torch") -> DraftCandidates:
         """The `count` best draft tokens of every (mode, position) of the blocks and their
         log-probabilities (what a tree of budget `count` reads), over the vocabulary in chunks of
-        `chunk_size`: no [bs, K', D, Vd] tensor is made. head_weight: `self.head_weight(lm_head)`;
-        backend: `vocab_candidates`'s ("torch" or "triton")."""
-        hidden = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
-        return vocab_candidates(hidden, head_weight, count, chunk_size, backend=backend)
+        `chunk_size`: no [bs, K', D, Vd] tensor is made; the mode log-prior folded in (`weigh_modes`), as in
+        `block_logprobs`. head_weight: `self.head_weight(lm_head)`; backend: `vocab_candidates`'s ("torch"
+        or "triton")."""
+        hidden, log_prior = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
+        return weigh_modes(vocab_candidates(hidden, head_weight, count, chunk_size, backend=backend), log_prior)
 
     def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's lm_head the drafter scores: the draft vocabulary's (a copy), or all."""

@@ -2,6 +2,7 @@
 
 One round, in named stages (each timed, each a method you can call alone):
   draft   the drafter fills a block per mode from the target's context features -> log-probs [K, D, V]
+          (a drafter with a mode gate folds its mode weights into depth 1: `MFDDrafter.block_logprobs`)
   tree    build_mixture_tree keeps the `budget` best prefixes over all modes (or the DFlash chain)
   verify  the target scores [last verified token, tree...] in one forward with the tree mask
   commit  the accepted path's target KV is moved into place, its context features appended to the
@@ -191,13 +192,14 @@ class SpeculativeGenerator:
     # --- the four stages ------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, state: _State) -> torch.Tensor:
-        """Drafter log-probs [bs, K, D, Vd] for the block after each root."""
+        """Drafter log-probs [bs, K, D, Vd] for the block after each root (mode weights folded in)."""
         return self.draft_blocks(state.roots, state.lengths, state.context, single_mode=self.single_mode)
 
     @torch.inference_mode()
     def draft_blocks(self, roots: torch.Tensor, lengths: torch.Tensor, context: DraftContext, *,
                      single_mode: bool = False) -> torch.Tensor:
-        """Log-probs [bs, K, D, Vd] of blocks `[root, MASK...]` at positions lengths.. over the given context."""
+        """Log-probs [bs, K, D, Vd] of blocks `[root, MASK...]` at positions lengths.. over the given context,
+        as the tree reads them (`MFDDrafter.block_logprobs`: a mode gate's weights folded in)."""
         return self.drafter.block_logprobs(roots, lengths, context, self.embed_weight, self.lm_head_weight,
                                            single_mode=single_mode)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from conftest import target_greedy
+from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.cli import main
 from mfd_sglang.hf import load_target
 
@@ -68,7 +69,8 @@ def test_make_tiny_is_deterministic_per_seed(tmp_path):
         return out
 
     a, b, c = build("a", 0), build("b", 0), build("c", 1)
-    for part in ("target/model.safetensors", "drafter/model.safetensors", "drafter/config.json"):
+    for part in ("target/model.safetensors", "drafter-dflash/model.safetensors", "drafter/model.safetensors",
+                 "drafter/config.json"):
         assert (a / part).read_bytes() == (b / part).read_bytes(), part
     assert (a / "drafter/model.safetensors").read_bytes() != (c / "drafter/model.safetensors").read_bytes()
     assert (a / "target/tokenizer.json").is_file() and (a / "prompts.json").is_file()
@@ -76,6 +78,18 @@ def test_make_tiny_is_deterministic_per_seed(tmp_path):
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "one two"}], tokenize=False,
                                          add_generation_prompt=True)
     assert chat.startswith("<|im_start|>user") and chat.endswith("<|im_start|>assistant\n")
+
+
+def test_make_tiny_writes_a_single_mode_dflash_drafter_beside_the_mfd_one(tmp_path, capsys):
+    out = tmp_path / "pair"
+    assert main(["make-tiny", str(out), "--quiet", "--target-steps", "8", "--drafter-steps", "4"]) == 0
+    single, mfd = load_drafter(out / "drafter-dflash"), load_drafter(out / "drafter")
+    config = json.loads((out / "drafter-dflash/config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and "mfd_config" not in config
+    assert single.kind == "dflash" and single.config.num_modes == 1 and mfd.config.num_modes == 4
+    assert set(mfd.weights) == set(single.weights) | {"mode_embed"}
+    assert main(["make-tiny", str(tmp_path / "k1"), "--num-modes", "1"]) == 2
+    assert "--num-modes must be >= 2" in capsys.readouterr().err and not (tmp_path / "k1").exists()
 
 
 def test_help_explains_every_command():

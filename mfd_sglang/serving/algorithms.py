@@ -20,6 +20,7 @@ with a message that names the field, not in the scheduler.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -111,7 +112,8 @@ TREE_VERIFY_ATTENTION_CLASSES = ("FlashInferAttnBackend", "TritonAttnBackend", "
 
 def resolve_attention_backend(server_args) -> None:
     """SGLang has already picked the attention backends when the algorithm's hook runs (on Hopper
-    often fa3). On a GPU, switch to FlashInfer when they cannot verify a tree; on a CPU refuse."""
+    often fa3). On a GPU, switch to FlashInfer when they cannot verify a tree (Triton where FlashInfer
+    is not installed, with one log line); on a CPU refuse."""
     device = "cpu" if str(server_args.device) == "cpu" else "cuda"
     supported = TREE_VERIFY_ATTENTION_BACKENDS[device]
     chosen = {flag: getattr(server_args, field, None) for flag, field in (
@@ -123,11 +125,15 @@ def resolve_attention_backend(server_args) -> None:
     if device == "cpu":
         raise ValueError("MFD on CPU needs --attention-backend mfd_cpu (python -m mfd_sglang.cpu.launch_server "
                          f"sets it) or triton; got {wrong or 'none'}.")
+    backend = "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
     if wrong:
         logger.warning("MFD: attention backend %s cannot verify a tree (it treats a top-k 1 verify as a "
-                       "chain); using flashinfer instead. Pass --attention-backend flashinfer or triton to "
-                       "silence this.", ", ".join(f"{f} {v}" for f, v in wrong.items()))
-    server_args.attention_backend = "flashinfer"
+                       "chain); using %s instead. Pass --attention-backend flashinfer or triton to "
+                       "silence this.", ", ".join(f"{f} {v}" for f, v in wrong.items()), backend)
+    if backend == "triton":
+        logger.warning("MFD: FlashInfer is not installed (pip install flashinfer-python), so the target "
+                       "verifies its trees with the triton attention backend.")
+    server_args.attention_backend = backend
     server_args.prefill_attention_backend = None
     server_args.decode_attention_backend = None
 
@@ -143,15 +149,33 @@ def check_tree_verify_attention(attn_backend) -> None:
                            "tree mask of a top-k 1 verify). Start the server with --attention-backend "
                            "flashinfer (GPU), triton, or mfd_cpu (CPU).")
 
+
+def attention_dp_size(server_args) -> int:
+    """The attention data-parallel width of `server_args`, in either spelling: SGLang 0.5.23's first
+    resolution hook (`arg_groups/parallel_hook.py::handle_deprecated_dp_attention`) rewrites
+    `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1` long before an algorithm's
+    check runs; arguments that did not go through it still carry the old spelling."""
+    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False) and attn_dp == 1:
+        return int(getattr(server_args, "dp_size", 1) or 1)
+    return attn_dp
+
+
 def _unsupported(server_args) -> list[str]:
     problems = []
     if int(server_args.pp_size or 1) > 1:
         problems.append(f"--pp-size {server_args.pp_size}: pipeline parallelism is not supported")
-    if int(getattr(server_args, "dp_size", 1) or 1) > 1 or getattr(server_args, "enable_dp_attention", False):
-        problems.append("data parallelism / --enable-dp-attention is not supported")
+    attn_dp = attention_dp_size(server_args)
+    if attn_dp > 1:
+        problems.append(f"--attn-dp-size {attn_dp} (attention data parallelism; SGLang also accepts it as "
+                        f"--dp-size {attn_dp} --enable-dp-attention) is not supported: the ranks of one TP group "
+                        "would hold different batches, with idle ranks, and MFD broadcasts one accepted path "
+                        "over the whole TP group. Use --dp-size N without --enable-dp-attention (replicas)")
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
-        problems.append(f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation "
-                        "is not supported")
+        problems.append(f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation is not "
+                        "supported (the drafter context of the prompt does not move with the target's KV, and "
+                        "the decode server's first round has no draft input). Use --dp-size N replicas, or "
+                        "replicas behind sglang-router")
     if getattr(server_args, "enable_hierarchical_cache", False):
         problems.append("--enable-hierarchical-cache (HiCache) is not supported")
     if getattr(server_args, "speculative_draft_window_size", None) is not None:
@@ -168,7 +192,7 @@ def validate_server_args(server_args) -> None:
     """Reject, at launch, every configuration MFD cannot serve; each message names the fix."""
     from mfd_sglang.checkpoint import CheckpointError, check_fits_target, load_drafter
 
-    from .options import budget_from_num_draft_tokens, read_options
+    from .options import budget_from_num_draft_tokens, draft_quantization, read_options
     from .target_checks import target_refusal
 
     algo = str(server_args.speculative_algorithm).upper()
@@ -188,6 +212,7 @@ def validate_server_args(server_args) -> None:
                          "(--speculative-num-draft-tokens) under tensor parallelism.")
     if server_args.speculative_num_draft_tokens is not None:
         budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
+    draft_quantization(server_args)  # a method the drafter cannot run is refused here
 
     path = server_args.speculative_draft_model_path
     check_drafter_path(algo, path)

@@ -63,7 +63,7 @@ from .calibration import calibrate_round_costs
 from .commit import commit_round, committed_window_path
 from .draft_context_pool import DeferredContextWrites, DraftContextPool
 from .memory import memory_plan, verify_graph_plan
-from .options import budget_from_num_draft_tokens, read_options
+from .options import budget_from_num_draft_tokens, draft_quantization, read_options
 from .penalties import (OutputPenalties, adjust_tree_logits, count_resumed_output, cumulate, output_penalties,
                         path_token_counts)
 from .sampling_mask import sampling_mask_output
@@ -162,7 +162,9 @@ class MFDWorkerV2(BaseSpecWorker):
 
         options = read_options()
         ckpt = load_drafter(spec.speculative_draft_model_path)
-        self.drafter = MFDDrafter.from_checkpoint(ckpt, dtype=self.model_runner.model_config.dtype).to(self.device)
+        self.draft_quantization = draft_quantization(server_args)  # "fp8": attention and MLP linears in e4m3
+        self.drafter = MFDDrafter.from_checkpoint(ckpt, dtype=self.model_runner.model_config.dtype,
+                                                  fp8_linears=self.draft_quantization == "fp8").to(self.device)
         if options.num_modes is not None:
             self.drafter.mode_embed.data = self.drafter.mode_embed.data[: options.num_modes]
         self.switch_threshold = options.switch_threshold if algorithm.name == "MFD_D" else None
@@ -199,24 +201,26 @@ class MFDWorkerV2(BaseSpecWorker):
             head = embed if tied else self.tp_group.all_gather(head, dim=0)
         self.embed_weight = embed[:vocab]
         self.head_weight = self.drafter.head_weight(head[:vocab])
-        weights = sum(p.numel() for p in self.drafter.parameters())
+        weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())  # as at launch
         # As reserved at launch (`plan_launch_memory`), the automatic budget's verify graphs included.
         graphs = verify_graph_plan(server_args, self.budget) if on_cuda else None
         self.memory_plan = memory_plan(ckpt.config, weights, budget=self.budget, vocab=vocab,
                                        dtype_bytes=self.embed_weight.element_size(),
                                        num_modes=self.drafter.mode_embed.shape[0],
                                        tp_size=self.tp_group.world_size, tied_embeddings=tied,
-                                       verify_graph_bytes=graphs.total_bytes() if graphs else 0)
+                                       verify_graph_bytes=graphs.total_bytes() if graphs else 0,
+                                       draft_quantization=self.draft_quantization)
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         self.context_pool: DraftContextPool | None = None
         self.deferred_context: DeferredContextWrites | None = None  # plain-decoding rounds' context (automatic budget)
         self.draft_graphs: BatchGraphs | None = None
         self.verify_graphs: VerifyGraphsByWidth | None = None  # per-budget verify graphs (automatic budget)
         cfg = self.drafter.cfg
-        logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d), tree budget %s, "
+        logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d, linears %s), tree budget %s, "
                     "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm.name,
                     spec.speculative_draft_model_path, cfg.num_hidden_layers, self.drafter.mode_embed.shape[0],
-                    cfg.block_size, f"auto (at most {self.budget}, from {self.budget_chooser.budgets})"
+                    cfg.block_size, "fp8 e4m3" if self.draft_quantization == "fp8" else "unquantized",
+                    f"auto (at most {self.budget}, from {self.budget_chooser.budgets})"
                     if self.budget_chooser else self.budget,
                     "auto" if self.budget_chooser else self.switch_threshold or "never", self.tree_backend,
                     self.mode_attention_backend or "padded copy (sliding layers)")
