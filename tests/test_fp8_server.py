@@ -101,7 +101,7 @@ def test_a_seeded_request_is_the_targets_own_sampling(fp8_server, hf_target, tin
         return generate_ids(fp8_server, ids, n if i == 0 else 2 * n, **law, **({"sampling_seed": 5} if i == 0 else {}))
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(run, range(4)))[0] == expected
+        assert list(pool.map(run, range(4)))[0][0] == expected
 
 
 # SGLang's own argument resolution of an MFD launch at device cuda, run on CPU with an H200's capacity (as
