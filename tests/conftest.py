@@ -1,9 +1,11 @@
-"""Shared fixtures: the make-tiny pair (built once per test session) and its plain-DFlash twin."""
+"""Shared fixtures: the make-tiny pair (built once per test session) and its plain-DFlash twin; and what the
+kit tests share: a checked subprocess run and the prelude of a probe that imports modules as on an H200."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,36 @@ import torch
 
 from mfd_sglang.hf import plain_greedy
 from mfd_sglang.lab.tiny import make_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The start of a `python -c` probe run as on an H200 (torch.cuda forced available; sglang.srt.utils.is_cuda()
+# also needs torch.version.cuda, which a CUDA build of torch has): it imports every module named in the JSON
+# list sys.argv[1] and keeps each failure's traceback in `failures`.
+FORCED_H200_IMPORTS = r"""
+import importlib, json, sys, traceback
+import torch
+
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
+failures = {}
+for name in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failures[name] = traceback.format_exc()[-2500:]
+"""
+
+
+def run_checked(cmd: list, *, env: dict | None = None, timeout: float = 1800, cwd: Path = REPO) -> str:
+    """`cmd`'s stdout; the test fails naming the command, its exit status and the tails of its output when it
+    exits non-zero. `env` is the whole environment (None: this process's)."""
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or os.environ)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import FORCED_H200_IMPORTS
+
 REPO = Path(__file__).resolve().parents[1]
 STANDIN_DIR = REPO / "mfd_sglang" / "cpu" / "sgl_kernel_standin"
 
@@ -408,21 +410,7 @@ CUDA_SERVER_MODULES = [
 
 # Run with the stand-in first on the path: make SGLang believe it is on an H200, import the modules,
 # then drive SGLang's own CUDA call sites (forward_cuda) with CPU tensors against its forward_native.
-FORCED_CUDA_PROBE = r"""
-import importlib, json, sys, traceback
-import torch
-
-torch.cuda.is_available = lambda: True  # sglang.srt.utils.is_cuda() also needs torch.version.cuda
-torch.cuda.device_count = lambda: 1
-torch.cuda.current_device = lambda: 0
-torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
-failures = {}
-for name in json.loads(sys.argv[1]):
-    try:
-        importlib.import_module(name)
-    except Exception:
-        failures[name] = traceback.format_exc()[-1500:]
+FORCED_CUDA_PROBE = FORCED_H200_IMPORTS + r"""
 import sgl_kernel
 from sglang.srt.utils import is_cuda
 from sglang.srt.layers import activation, layernorm

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_checked
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -36,16 +37,9 @@ LIMIT = 38 * 2**20
 MAX_NEW = 16
 
 
-def run(cmd: list[str], *, env: dict | None = None, timeout: float = 1800) -> str:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def kit() -> Path:
-    out = run(["bash", str(KIT_SCRIPT), "build"])
+    out = run_checked(["bash", str(KIT_SCRIPT), "build"])
     assert "MiB in" in out, out  # the script prints the kit's size
     return REPO / ".device-kit"
 
@@ -91,7 +85,7 @@ def test_trimmed_sglang_is_pure_python_and_keeps_what_the_checks_import(kit):
 def test_kit_build_is_reproducible(kit, tmp_path):
     """The same pins and prune list give the same bytes (sorted archive, fixed times, gzip without a date)."""
     again = tmp_path / "kit"
-    run(["bash", str(KIT_SCRIPT), "build"], env={"MFD_DEVICE_KIT": str(again)})
+    run_checked(["bash", str(KIT_SCRIPT), "build"], env={**os.environ, "MFD_DEVICE_KIT": str(again)})
     first = {f["path"]: f["sha256"] for f in json.loads((kit / "kit.json").read_text())["files"]}
     second = {f["path"]: f["sha256"] for f in json.loads((again / "kit.json").read_text())["files"]}
     assert first == second
@@ -103,11 +97,11 @@ def test_kit_build_is_reproducible(kit, tmp_path):
 def rehearsal(kit, tmp_path_factory) -> dict:
     """(python, site): the rehearsal venv's interpreter and the site folder the kit was installed into
     exactly as on the device (scripts/device_kit.sh install), with the cp311 builds of its compiled wheels."""
-    env_dir = Path(run(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
+    env_dir = Path(run_checked(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
     python = env_dir / "venv" / "bin" / "python"
     site = tmp_path_factory.mktemp("rehearsal") / "site"
-    run(["bash", str(KIT_SCRIPT), "install", str(site), "--compiled-wheels", str(env_dir / "cp311")],
-        env={"PYTHON": str(python)})
+    run_checked(["bash", str(KIT_SCRIPT), "install", str(site), "--compiled-wheels", str(env_dir / "cp311")],
+        env={**os.environ, "PYTHON": str(python)})
     return {"python": python, "site": site}
 
 
@@ -199,7 +193,7 @@ def run_device_command(copy: Path, rehearsal_dir: Path, out: Path, site: Path) -
 
 @pytest.fixture(scope="module")
 def device_call(kit, tiny_pair, tmp_path_factory) -> dict:
-    rehearsal_dir = Path(run(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
+    rehearsal_dir = Path(run_checked(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
     root = tmp_path_factory.mktemp("device-call")
     copy = travelling_copy(root / "repo", kit, tiny_pair)
     carried = sum(p.stat().st_size for p in copy.rglob("*") if p.is_file())  # before the call writes anything

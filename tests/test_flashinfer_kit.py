@@ -40,17 +40,12 @@ CALL_LIMIT = (64 - 8) * 2**20
 
 sys.path.insert(0, str(REPO / "scripts"))
 import flashinfer_modules  # noqa: E402
-
-
-def run(cmd: list[str], *, env: dict | None = None, timeout: float = 1800, cwd: Path = REPO) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or os.environ)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc.stdout
+from conftest import FORCED_H200_IMPORTS, run_checked  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def kit() -> Path:
-    out = run(["bash", str(KIT_SCRIPT), "build"])
+    out = run_checked(["bash", str(KIT_SCRIPT), "build"])
     assert "MiB (limit" in out, out  # the script prints the kit's size
     return REPO / ".flashinfer-kit"
 
@@ -70,7 +65,7 @@ def test_kit_fits_and_its_manifest_holds(kit):
 def test_kit_build_is_reproducible(kit, tmp_path):
     """The same pin and keep list give the same bytes (sorted archive, fixed times, gzip without a date)."""
     again = tmp_path / "kit"
-    run(["bash", str(KIT_SCRIPT), "build"], env={**os.environ, "MFD_FLASHINFER_KIT": str(again)})
+    run_checked(["bash", str(KIT_SCRIPT), "build"], env={**os.environ, "MFD_FLASHINFER_KIT": str(again)})
     first = {f["path"]: f["sha256"] for f in json.loads((kit / "kit.json").read_text())["files"]}
     assert first == {f["path"]: f["sha256"] for f in json.loads((again / "kit.json").read_text())["files"]}
 
@@ -81,15 +76,15 @@ def test_kit_build_is_reproducible(kit, tmp_path):
 def rehearsal(kit, tmp_path_factory) -> dict:
     """The device kit's rehearsal interpreter, its kit site with the sgl_kernel stand-in, the FlashInfer site
     and the image extras."""
-    run(["bash", str(DEVICE_KIT_SCRIPT), "build"])
-    env_dir = Path(run(["bash", str(DEVICE_KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
+    run_checked(["bash", str(DEVICE_KIT_SCRIPT), "build"])
+    env_dir = Path(run_checked(["bash", str(DEVICE_KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
     python = env_dir / "venv" / "bin" / "python"
     root = tmp_path_factory.mktemp("flashinfer-rehearsal")
     env = {**os.environ, "PYTHON": str(python)}
-    run(["bash", str(DEVICE_KIT_SCRIPT), "install", str(root / "site"), "--compiled-wheels", str(env_dir / "cp311")],
+    run_checked(["bash", str(DEVICE_KIT_SCRIPT), "install", str(root / "site"), "--compiled-wheels", str(env_dir / "cp311")],
         env=env)
-    run(["bash", str(KIT_SCRIPT), "install", str(root / "flashinfer")], env=env)
-    extras = Path(run(["bash", str(KIT_SCRIPT), "rehearsal-extras"]).strip().splitlines()[-1])
+    run_checked(["bash", str(KIT_SCRIPT), "install", str(root / "flashinfer")], env=env)
+    extras = Path(run_checked(["bash", str(KIT_SCRIPT), "rehearsal-extras"]).strip().splitlines()[-1])
     # as scripts/gpu_check.sh puts them on the path (the sgl_kernel stand-in next to the kit), FlashInfer after
     site = root / "site"
     return {"python": python, "root": root,
@@ -106,21 +101,8 @@ def rehearsal_env(rehearsal) -> dict:
 
 
 # SGLang's server modules with CUDA forced (as tests/test_cpu_standins.py forces it), then what they bound.
-IMPORT_PROBE = r"""
-import ast, importlib, importlib.metadata, importlib.util, json, sys, traceback
-import torch
-
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: 1
-torch.cuda.current_device = lambda: 0
-torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
-failures = {}
-for name in json.loads(sys.argv[1]):
-    try:
-        importlib.import_module(name)
-    except Exception:
-        failures[name] = traceback.format_exc()[-2500:]
+IMPORT_PROBE = FORCED_H200_IMPORTS + r"""
+import ast, importlib.metadata, importlib.util
 from sglang.srt.layers.attention import flashinfer_backend as fb
 import flashinfer
 
@@ -160,7 +142,7 @@ def test_sglang_server_modules_import_against_the_pruned_flashinfer(rehearsal):
 
     modules = CUDA_SERVER_MODULES + ["sglang.srt.layers.attention.flashinfer_backend"]
     shapes = {s.name: (s.heads, s.kv_heads) for s in flashinfer_modules.SHAPES}
-    out = run([str(rehearsal["python"]), "-c", IMPORT_PROBE, json.dumps(modules), json.dumps(shapes)],
+    out = run_checked([str(rehearsal["python"]), "-c", IMPORT_PROBE, json.dumps(modules), json.dumps(shapes)],
               env=rehearsal_env(rehearsal), cwd=rehearsal["root"], timeout=900)
     out = json.loads(out.strip().splitlines()[-1])
     assert not out["failures"], "\n".join(f"{m}:\n{tb}" for m, tb in out["failures"].items())
@@ -178,7 +160,7 @@ def jit_sources(rehearsal) -> dict:
     out = rehearsal["root"] / "sources.json"
     env = rehearsal_env(rehearsal)
     env.pop("CUDA_HOME", None)  # found from nvcc, as on the device
-    run([str(rehearsal["python"]), str(MODULES_SCRIPT), "sources", "--out", str(out), "--scan"], env=env,
+    run_checked([str(rehearsal["python"]), str(MODULES_SCRIPT), "sources", "--out", str(out), "--scan"], env=env,
         cwd=rehearsal["root"], timeout=1200)
     return json.loads(out.read_text())
 
@@ -236,8 +218,8 @@ def test_compiled_shapes_are_the_visit_pairs_shapes():
 
 
 def test_each_visit_call_carries_at_most_56_mib(kit):
-    run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "prepare"], timeout=1800)  # .device-kit, .gpu-check-pair
-    calls = json.loads(run(["bash", str(VISIT_SCRIPT), "sizes", "--json"]))
+    run_checked(["bash", str(REPO / "scripts" / "gpu_check.sh"), "prepare"], timeout=1800)  # .device-kit, .gpu-check-pair
+    calls = json.loads(run_checked(["bash", str(VISIT_SCRIPT), "sizes", "--json"]))
     header = VISIT_SCRIPT.read_text().split("\nset -euo")[0]
     for name, call in calls.items():
         assert not call["missing"], (name, call["missing"])
