@@ -69,6 +69,14 @@ print_size() {
   python3 -c "import json,sys; m=json.load(open(sys.argv[1])); print(f\"[device_kit] {sys.argv[1].rsplit('/',2)[-2]}: {m['total_bytes']/2**20:.1f} MiB in {len(m['files'])} files (limit {m['limit_mib']} MiB; sglang {m['sglang_files_kept']} files kept, {m['sglang_files_pruned']} pruned)\")" "$KIT/kit.json"
 }
 
+# Every SGLang internal a hook in patches/ wraps must be in the trimmed sglang ($1, its archive): on the device
+# SGLang would only log a hook it cannot apply (and the plugin refuse to start).
+check_hook_targets() {
+  local missing
+  missing=$(python3 "$REPO/scripts/hook_targets.py" "$1" 2>&1) \
+    || die "hook targets missing from the trimmed sglang (pruned by $(basename "$PRUNE")?): $missing"
+}
+
 build() {
   local key; key=$(kit_key)
   if [ -f "$KIT/kit.json" ] && python3 - "$KIT" "$key" <<'PY'
@@ -81,6 +89,7 @@ ok = m.get("key") == key and all(
 sys.exit(0 if ok else 1)
 PY
   then
+    check_hook_targets "$KIT"/sglang-*-trimmed.tar.gz
     say "$KIT is up to date (key $key)"; print_size; return
   fi
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -128,17 +137,6 @@ if unused:
 if any(name.endswith(".so") for name, _, _ in kept):
     sys.exit("[device_kit] ERROR: compiled files left in the trimmed sglang (it must stay pure Python): "
              + ", ".join(n for n, _, _ in kept if n.endswith(".so")))
-# Every SGLang internal a hook in patches/ wraps must survive the prune: on the device SGLang would only log
-# a hook it cannot apply (and the plugin refuse to start). scripts/hook_targets.py resolves them statically.
-sys.path.insert(0, str(pathlib.Path(prune_path).parent))
-from hook_targets import hook_targets, unresolved
-kept_sources = {name: data for name, data, _ in kept}
-lost = unresolved(hook_targets(pathlib.Path(prune_path).parents[1] / "patches"),
-                  lambda path: kept_sources[path].decode() if path in kept_sources else None)
-if lost:
-    sys.exit("[device_kit] ERROR: hook targets missing from the trimmed sglang (pruned by "
-             f"{pathlib.Path(prune_path).name}?): " + "; ".join(lost))
-
 # A reproducible archive: sorted entries, fixed times, owners and modes, gzip without a timestamp.
 out = tmp / "kit" / f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}-trimmed.tar.gz"
 raw = io.BytesIO()
@@ -167,6 +165,7 @@ manifest = {
 if total > int(limit_mib) * 2**20:
     sys.exit(f"[device_kit] ERROR: the kit is {total / 2**20:.1f} MiB, over its {limit_mib} MiB")
 PY
+  check_hook_targets "$tmp"/kit/sglang-*-trimmed.tar.gz
   rm -rf "$KIT.old"
   if [ -e "$KIT" ]; then mv "$KIT" "$KIT.old"; fi
   mv "$tmp/kit" "$KIT" && rm -rf "$KIT.old"

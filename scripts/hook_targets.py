@@ -4,18 +4,20 @@
 or a module-level string constant of the same file). `unresolved(targets, read)` looks each target up in
 SGLang's sources as `read(relative path)` returns them: the longest dotted prefix that is a module
 (`a/b/c.py` or `a/b/c/__init__.py`), then the rest through that module's top-level names and its
-classes' bodies. `scripts/device_kit.sh build` runs it over the trimmed SGLang before packing it: a hook
-whose target the prune removed would not apply on the device (SGLang only logs that). Standard library
-only: the build runs it with the system Python.
+classes' bodies. `scripts/device_kit.sh build` runs it over the trimmed SGLang archive, before it installs a
+new kit and on a kit it finds up to date (a hook added since the kit was built is checked too): a hook whose
+target the prune removed would not apply on the device (SGLang only logs that). Standard library only: the
+build runs it with the system Python.
 
-    python3 scripts/hook_targets.py [SITE_PACKAGES]   # the targets; with a folder holding sglang/, exit 1
-                                                      # naming those its sources lack
+    python3 scripts/hook_targets.py [SOURCES]   # the targets; with SOURCES (a folder holding sglang/, or a
+                                                # .tar.gz of one), exit 1 naming those its sources lack
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+import tarfile
 from pathlib import Path
 from typing import Callable
 
@@ -110,20 +112,26 @@ def unresolved(targets, read: Callable[[str], str | None]) -> list[str]:
     return [f"{target}: {why}" for target in sorted(targets) if (why := resolve(target, read)) is not None]
 
 
+def source_reader(sources: Path) -> Callable[[str], str | None]:
+    """`read(relative path)` over a folder holding sglang/, or over a .tar.gz whose members are such paths."""
+    if sources.is_dir():
+        return lambda path: (sources / path).read_text() if (sources / path).is_file() else None
+    with tarfile.open(sources) as tar:
+        texts = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()
+                 if m.isfile() and m.name.endswith(".py")}
+    return texts.get
+
+
 def main() -> None:
     targets = hook_targets(Path(__file__).resolve().parents[1] / "patches")
     if len(sys.argv) < 2:
         print("\n".join(f"{t}  ({f})" for t, f in sorted(targets.items())))
         return
-    site = Path(sys.argv[1])
-
-    def read(path: str) -> str | None:
-        return (site / path).read_text() if (site / path).is_file() else None
-
-    missing = unresolved(targets, read)
+    sources = Path(sys.argv[1])
+    missing = unresolved(targets, source_reader(sources))
     if missing:
-        sys.exit("unresolved hook targets:\n" + "\n".join(missing))
-    print(f"all {len(targets)} hook targets resolve in {site}")
+        sys.exit("\n".join(missing))
+    print(f"all {len(targets)} hook targets resolve in {sources}")
 
 
 if __name__ == "__main__":

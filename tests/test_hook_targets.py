@@ -27,7 +27,7 @@ from servers import HOOK_FAILURE, free_port, start
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from hook_targets import hook_targets, unresolved  # noqa: E402
+from hook_targets import hook_targets, source_reader, unresolved  # noqa: E402
 
 PATCHES = REPO / "patches"
 SITE = Path(__import__("sglang").__file__).resolve().parents[1]  # the folder holding the installed sglang/
@@ -156,21 +156,39 @@ def offline_wheels(tmp_path_factory) -> Path:
 
 def test_the_device_kits_sglang_holds_every_hook_target(offline_wheels):
     """The kit as built (and cached: a hook added since is checked here) resolves every target."""
-    import tarfile
+    archive = next((REPO / ".device-kit").glob("sglang-*-trimmed.tar.gz"))
+    assert unresolved(hook_targets(PATCHES), source_reader(archive)) == []
 
-    with tarfile.open(next((REPO / ".device-kit").glob("sglang-*-trimmed.tar.gz"))) as tar:
-        sources = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()
-                   if m.isfile() and m.name.endswith(".py")}
-    assert unresolved(hook_targets(PATCHES), sources.get) == []
+
+def repository_copy(folder: Path) -> Path:
+    """What `device_kit.sh build` reads of the repository (the script, the prune list, hook_targets.py,
+    patches/), copied into `folder`."""
+    (folder / "scripts").mkdir()
+    for name in ("device_kit.sh", "hook_targets.py", "device_kit_prune.txt"):
+        shutil.copy(REPO / "scripts" / name, folder / "scripts" / name)
+    shutil.copytree(PATCHES, folder / "patches")
+    return folder
+
+
+def test_device_kit_build_fails_on_an_up_to_date_kit_when_a_hook_target_is_missing(offline_wheels, tmp_path):
+    """A hook added after the kit was built: the build finds the kit up to date (same prune list and pins)
+    and still resolves every hook target in it, naming the one it lacks; the kit is left as it was."""
+    repo = repository_copy(tmp_path)
+    (repo / "patches" / "bogus_hook.py").write_text(REGISTER_BOGUS)
+    kit = REPO / ".device-kit"
+    before = (kit / "kit.json").read_text()
+    proc = subprocess.run(["bash", str(repo / "scripts" / "device_kit.sh"), "build"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "MFD_DEVICE_KIT": str(kit),
+                                                        "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(offline_wheels)})
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "hook targets missing from the trimmed sglang" in proc.stderr and BOGUS in proc.stderr, proc.stderr[-3000:]
+    assert "up to date" not in proc.stdout and (kit / "kit.json").read_text() == before
 
 
 def test_device_kit_build_fails_when_the_prune_list_removes_a_hook_target(offline_wheels, tmp_path):
     """The build, in a copy of the repository whose prune list also removes the module of the NGRAM
     FULL_MASK hook's target, stops before it packs the kit, naming the target."""
-    (tmp_path / "scripts").mkdir()
-    for name in ("device_kit.sh", "hook_targets.py"):
-        shutil.copy(REPO / "scripts" / name, tmp_path / "scripts" / name)
-    shutil.copytree(PATCHES, tmp_path / "patches")
+    repository_copy(tmp_path)
     prune = (REPO / "scripts" / "device_kit_prune.txt").read_text()
     (tmp_path / "scripts" / "device_kit_prune.txt").write_text(prune + "sglang/srt/speculative/ngram_worker.py\n")
     proc = subprocess.run(["bash", str(tmp_path / "scripts" / "device_kit.sh"), "build"], capture_output=True,

@@ -3,12 +3,17 @@ each, gloo collectives; the make-tiny pair in fp32). Plain decoding, MFD and MFD
 target's greedy tokens for concurrent requests; on MFD and MFD_D, seeded T = 1 requests (among an
 unseeded one, alone and batched) emit exactly the single-rank reference's samples, and greedy requests
 that follow are still exact, which they would not be if the two ranks' trees or accepted paths had
-parted (their KV caches would differ and the all-reduced logits with them), and nothing hangs. Every
-server ends idle, healthy and leak-free."""
+parted (their KV caches would differ and the all-reduced logits with them), and nothing hangs. The MFD
+servers run with a test plugin (`tests/plugins/rank_rng.py`) that gives each rank's torch generator a
+seed of its own, so an unseeded request's coins differ across ranks and only the worker's broadcasts of
+rank 0's first token and accepted paths keep the ranks together. Every server ends idle, healthy and leak-free."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import re
+from pathlib import Path
 
 import pytest
 import requests
@@ -20,6 +25,8 @@ from servers import generate_ids, log_tail, served_without_leaks, start_server
 MAX_NEW = 24
 SAMPLING = (1.0, TOP_K_ALL, 0.9, 0.0)  # temperature, top_k, top_p, min_p
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per rank
+RANK_RNG_PLUGIN = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "plugins"),  # rank_rng.py
+                                                                 os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture(scope="module", params=[("plain", None), ("MFD", 8), ("MFD_D", 8)], ids=lambda p: p[0])
@@ -27,7 +34,8 @@ def tp_server(request, tiny_pair, tmp_path_factory):
     algorithm, budget = request.param
     algorithm = None if algorithm == "plain" else algorithm
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter" if algorithm else None, algorithm, budget,
-                       threshold=2 if algorithm == "MFD_D" else None, extra_args=("--tp-size", "2"), extra_env=TP_ENV)
+                       threshold=2 if algorithm == "MFD_D" else None, extra_args=("--tp-size", "2"),
+                       extra_env={**TP_ENV, **(RANK_RNG_PLUGIN if algorithm else {})})
     srv.algorithm = algorithm
     yield from served_without_leaks(srv)
 
@@ -51,13 +59,17 @@ def test_tp2_serves_concurrent_requests_exactly(tp_server, hf_target, tiny_promp
 
 def test_tp2_seeded_sampling_equals_the_single_rank_reference(tp_server, hf_target, tiny_prompts):
     """T = 1 (top-p 0.9) at TP 2, four requests at once (MFD_D: its single-mode path), three with a seed
-    and one without (its seed is drawn on each rank: rank 0's accepted path is every rank's), then a
-    seeded one alone (MFD_D: the K-mode path): each seeded output is plain sampling of the single-rank
-    HF target with its seed's coins (`reference_sample`, as the TP 1 tests hold it), and a greedy
-    request after them is still exact, which it would not be had the ranks' trees or accepted paths
-    parted. Plain SGLang samples with its own seeded sampler, not MFD's coins: not compared here."""
+    and one without, then a seeded one alone (MFD_D: the K-mode path): each seeded output is plain
+    sampling of the single-rank HF target with its seed's coins (`reference_sample`, as the TP 1 tests
+    hold it), and a greedy request after them is still exact. Then an unseeded request at T = 4, whose
+    coins differ across ranks (the rank_rng plugin), and greedy decoding of its prompt and output: exact
+    only if every rank took rank 0's first token and accepted paths (without either broadcast the ranks
+    part: the server dies or hangs). Plain SGLang samples with its own seeded sampler, not MFD's coins:
+    not compared here."""
     if tp_server.algorithm is None:
         pytest.skip("plain SGLang's seeded sampler is not MFD's coin stream: no single-rank reference here")
+    reseeded = set(re.findall(r"rank_rng: TP rank (\d) reseeded torch with (\d+)", tp_server.log_path.read_text()))
+    assert {rank for rank, _ in reseeded} == {"0", "1"} and len({seed for _, seed in reseeded}) == 2, reseeded
     model, tok = hf_target
     prompts = prompt_ids(tok, tiny_prompts)
     seeds = [11, 12, 13, None]
@@ -72,3 +84,10 @@ def test_tp2_seeded_sampling_equals_the_single_rank_reference(tp_server, hf_targ
     assert all(meta["completion_tokens"] == MAX_NEW for _, meta in sampled)
     got, _ = generate_ids(tp_server, prompts[0], MAX_NEW)
     assert got == target_greedy(model, prompts[0], MAX_NEW), log_tail(tp_server.log_path)
+    # Unseeded and hot (the tiny target is too sure of itself at T = 1 for coins to matter): each rank draws
+    # its own coins (tests/plugins/rank_rng.py). Greedy on the prompt and what came back is exact only if
+    # every rank committed rank 0's tokens: else the ranks' KV and radix caches hold different continuations.
+    hot, _ = generate_ids(tp_server, prompts[1], MAX_NEW, temperature=4.0)
+    continued = prompts[1] + hot
+    got, _ = generate_ids(tp_server, continued, MAX_NEW)
+    assert got == target_greedy(model, continued, MAX_NEW), log_tail(tp_server.log_path)

@@ -361,7 +361,7 @@ class MFDWorkerV2(BaseSpecWorker):
             grammar_mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,
                                                     device=logits.device, barrier=grammar_barrier)
         result, logits = self.accept(tree, layout, logits, batch, seq_lens, grammar_mask)
-        self.from_rank0(result)
+        self.from_rank0(*(getattr(result, field.name) for field in dataclasses.fields(result)))
         if self.budget_chooser is not None:
             self.measure_acceptance(arm, result)
         result = pad_result(result, self.speculative_num_draft_tokens)
@@ -393,16 +393,15 @@ class MFDWorkerV2(BaseSpecWorker):
             extra_keep_alive_refs=[forward_batch],
         )
 
-    def from_rank0(self, result: TreeVerifyResult) -> None:
-        """Under tensor parallelism every rank takes rank 0's accepted path (in place), as SGLang's
-        EAGLE / DFLASH workers broadcast theirs: a sampled verify draws random numbers, which agree
-        across ranks only while every rank's generator has made the same draws. The tree needs no
+    def from_rank0(self, *tensors: torch.Tensor) -> None:
+        """Under tensor parallelism every rank takes rank 0's sampled tokens and accepted path (in place),
+        as SGLang's EAGLE / DFLASH workers broadcast theirs: a sampled token draws random numbers, which
+        agree across ranks only while every rank's generator has made the same draws. The tree needs no
         broadcast: every rank drafts it from the same all-reduced hidden states with the same
         deterministic kernels (SGLang's DFLASH draft relies on the same)."""
         if self.tp_group.world_size == 1:
             return
-        for field in dataclasses.fields(result):
-            tensor = getattr(result, field.name)
+        for tensor in tensors:
             if tensor.is_contiguous():
                 self.tp_group.broadcast(tensor, src=0)
             else:  # collectives take contiguous buffers
@@ -535,7 +534,9 @@ class MFDWorkerV2(BaseSpecWorker):
         seeded stream as the verify rounds."""
         if batch.sampling_info.is_all_greedy:
             return logits.argmax(dim=-1)
-        return sample_from_logits(logits.float(), request_sampling(batch), batch.seq_lens - 1)
+        tokens = sample_from_logits(logits.float(), request_sampling(batch), batch.seq_lens - 1)
+        self.from_rank0(tokens)
+        return tokens
 
     def accept(self, tree: DraftTree, layout: VerifyLayout, logits: torch.Tensor, batch, seq_lens: torch.Tensor,
                grammar_mask=None) -> tuple[TreeVerifyResult, torch.Tensor]:
