@@ -213,12 +213,13 @@ def plot(results: dict, batch_sizes: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, taus) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, per_batch in results.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, per_batch) in enumerate(results.items()):
         for ax, key in ((speed, "speedup"), (taus, "tau")):
             points = [(b, per_batch[str(b)].get(key)) for b in batch_sizes if str(b) in per_batch]
             points = [(b, v) for b, v in points if v is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=name)
+            if points:  # a configuration has its color in both panels (AR has no tau)
+                ax.plot(*zip(*points), marker="o", label=name, color=colors[i % len(colors)])
     speed.axhline(1.0, color="grey", lw=0.8, ls="--")
     speed.set_ylabel("decode speed-up over AR (median run)")
     taus.set_ylabel("tau (tokens per verify round)")
