@@ -1,10 +1,10 @@
 """A test-only SGLang plugin: once a scheduler is built (SGLang seeds every rank's generator from
 `--random-seed` at the end of its setup), each tensor-parallel rank reseeds torch's global generator with
-a seed of its own. On a CPU every rank seeds its generator from the same
-`--random-seed`, so an unseeded request's coins agree across ranks by construction, and a test could
-not tell whether the worker broadcasts rank 0's accepted path (`MFDWorkerV2.from_rank0`). On a GPU the
-generators can part (a draw on one rank only); this makes them part from the start. `tests/test_tp_server.py`
-puts this folder on the servers' PYTHONPATH (the dist-info beside it declares the entry point)."""
+a seed of its own. Otherwise an unseeded request's coins agree across ranks by construction on a CPU, and a
+test could not tell whether the worker broadcasts rank 0's sampled first token and accepted paths
+(`MFDWorkerV2.from_rank0`). On a GPU the generators can part (a draw on one rank only); this makes them part
+from the start. `tests/test_tp_server.py` puts this folder on the servers' PYTHONPATH (the dist-info beside
+it declares the entry point)."""
 
 import logging
 
@@ -19,8 +19,9 @@ def reseed_per_rank(result, *args, **kwargs):
     from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
 
     rank = get_tensor_model_parallel_rank()
-    torch.manual_seed(SEED_PER_RANK * (rank + 1))
-    logger.warning("rank_rng: TP rank %d reseeded torch with %d", rank, SEED_PER_RANK * (rank + 1))
+    seed = SEED_PER_RANK * (rank + 1)
+    torch.manual_seed(seed)
+    logger.warning("rank_rng: TP rank %d reseeded torch with %d", rank, seed)
 
 
 def register() -> None:
