@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from mfd_sglang.drafter import fp8_linear_shapes
 from mfd_sglang.fp8 import FP8Linear, quantize_activations, quantize_rows
+from mfd_sglang.timing import mean_ms
 from round_cost import (BUDGET, CONFIGS, SpecRound, StaticTarget, TargetConfig, capture_decode_step, capture_round,
                         graphs_match_eager, random_drafter, replay_ms)
-from tree_build import mean_ms
 
 ROUND_CONFIGS = ("mfd", "mfd_d")
 # bf16: the output's rounding (2^-9) and more; float32: Hopper's FP8 MMA accumulates with fewer bits than

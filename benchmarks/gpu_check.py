@@ -67,9 +67,10 @@ import torch  # noqa: E402
 
 from mfd_sglang.cuda_graph import host_syncs_raise  # noqa: E402
 from mfd_sglang.mode_attention import mode_attention, random_inputs  # noqa: E402
+from mfd_sglang.timing import mean_ms  # noqa: E402
 from mfd_sglang.tree import DraftTree, build_mixture_tree  # noqa: E402
 from round_cost import print_round_cost, round_cost_rows  # noqa: E402
-from tree_build import mean_ms, time_build  # noqa: E402
+from tree_build import time_build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CARRY_LIMIT = 64 * 2**20  # what one device call carries: the working tree and the carried paths
@@ -161,6 +162,23 @@ def check_environment(check: Check) -> Iterator[dict]:
     yield row
 
 
+# --- rows ---------------------------------------------------------------------------------------------
+
+def measured_row(labels: dict, measure: Callable[[dict], None], *, verdict: bool = True) -> dict:
+    """One row: its labels, then what measure(row) records in it (inputs built, run, compared). An exception
+    is recorded as the row's error, with ok False on a row that carries a verdict; what measure recorded
+    before it stays."""
+    row = dict(labels)
+    try:
+        measure(row)
+    except Exception as exc:
+        if verdict:
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        else:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
 # --- kernels ------------------------------------------------------------------------------------------
 
 def random_logprobs(shape: tuple[int, ...], device: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -176,16 +194,15 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
 
 def tree_rows(check: Check, shapes) -> Iterator[dict]:
     for (bs, k, d, v, budget), dtype in itertools.product(shapes, (torch.float32, torch.bfloat16)):
-        row = {"bs": bs, "K": k, "D": d, "V": v, "B": budget, "dtype": str(dtype).removeprefix("torch.")}
-        try:
+        def compare(row):
             logprobs = random_logprobs((bs, k, d, v), check.device, dtype, seed=bs * 1000 + v)
             reference = build_mixture_tree(logprobs, budget, backend="torch")
             with host_syncs_raise(check.device):
                 fast = build_mixture_tree(logprobs, budget, backend="triton")
             row["ok"] = same_tree(reference, fast)
-        except Exception as exc:
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        yield row
+
+        yield measured_row({"bs": bs, "K": k, "D": d, "V": v, "B": budget, "dtype": str(dtype).removeprefix("torch.")},
+                           compare)
 
 
 def check_tree_kernel(check: Check) -> Iterator[dict]:
@@ -227,17 +244,15 @@ def check_accept_without_sync(check: Check) -> Iterator[dict]:
              "sampling, full sort (seeded)": lambda: verify_tree_sampling(tree, logits, sampling(None), positions),
              "draft scoring in vocabulary chunks": lambda: vocab_candidates(hidden, head, budget)}
     for name, run in cases.items():
-        row = {"case": name}
-        try:
+        def run_without_sync(row):
             with host_syncs_raise(device):
                 run()
             if check.cuda:
                 row["ok"] = True  # sync debug mode "error" raises on the first host sync
             else:
                 row["skipped"] = "needs CUDA: host syncs exist on CUDA only (the case ran, unchecked)"
-        except Exception as exc:
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        yield row
+
+        yield measured_row({"case": name}, run_without_sync)
 
 
 def check_vocab_kernel(check: Check) -> Iterator[dict]:
@@ -252,8 +267,7 @@ def check_vocab_kernel(check: Check) -> Iterator[dict]:
     if not check.cuda:  # the interpreter's bf16 rounding differs from torch's: exact inputs only
         shapes, grids = [(2, 2, 3, 40, 50, 8)], ("integers",)
     for (bs, k, d, h, v, budget), grid in itertools.product(shapes, grids):
-        row = {"bs": bs, "K": k, "D": d, "H": h, "V": v, "B": budget, "inputs": grid}
-        try:
+        def compare(row):
             gen = torch.Generator(device=check.device).manual_seed(bs * 7 + h)
             if grid == "integers":
                 hidden = torch.randint(-3, 4, (bs, k, d, h), device=check.device, generator=gen).to(torch.bfloat16)
@@ -268,9 +282,8 @@ def check_vocab_kernel(check: Check) -> Iterator[dict]:
             row["shared"] = round(shared, 4)
             row["max_logprob_diff"] = float((fast.logprobs - reference.logprobs).abs().max())
             row["ok"] = torch.equal(fast.tokens, reference.tokens) if grid == "integers" else shared >= 0.97
-        except Exception as exc:
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        yield row
+
+        yield measured_row({"bs": bs, "K": k, "D": d, "H": h, "V": v, "B": budget, "inputs": grid}, compare)
 
 
 def check_mode_attention(check: Check) -> Iterator[dict]:
@@ -281,17 +294,16 @@ def check_mode_attention(check: Check) -> Iterator[dict]:
     # The Triton interpreter's bf16 dot is broken: on a CPU, fp16 stands in for the half-precision check.
     dtypes = (torch.float32, torch.bfloat16 if check.cuda else torch.float16)
     for (bs, k, t, hq, hkv, d, lens), dtype in itertools.product(shapes, dtypes):
-        row = {"bs": bs, "K": k, "T": t, "Hq": hq, "Hkv": hkv, "d": d, "dtype": str(dtype).removeprefix("torch.")}
-        try:
+        def compare(row):
             case = random_inputs(bs, bs, k, t, hq, hkv, d, lens, dtype, check.device)
             reference = mode_attention(**{n: (x.float() if x.is_floating_point() else x) for n, x in case.items()},
                                        num_modes=k)
             fast = mode_attention(**case, num_modes=k, backend="triton")
             row["max_abs_error"] = float((fast.float() - reference).abs().max())
             row["ok"] = row["max_abs_error"] <= (1e-4 if dtype == torch.float32 else 3e-2)
-        except Exception as exc:
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        yield row
+
+        yield measured_row({"bs": bs, "K": k, "T": t, "Hq": hq, "Hkv": hkv, "d": d,
+                            "dtype": str(dtype).removeprefix("torch.")}, compare)
 
 
 def check_tree_masks(check: Check) -> Iterator[dict]:
@@ -314,15 +326,13 @@ def tree_time_rows(check: Check, grid) -> Iterator[dict]:
     if not check.cuda:
         raise StructuralSkip("needs CUDA: Triton timings need a GPU (the interpreter's mean nothing)")
     for bs, budget, v in grid:
-        row = {"bs": bs, "K": 8, "D": 15, "B": budget, "V": v}
-        try:
+        def time_backends(row):
             for backend in ("torch", "triton"):
                 row[f"{backend}_ms"] = round(time_build(bs, 8, 15, v, budget, check.device, backend, 20,
                                                         torch.bfloat16), 4)
             row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"
-        yield row
+
+        yield measured_row({"bs": bs, "K": 8, "D": 15, "B": budget, "V": v}, time_backends, verdict=False)
 
 
 def time_tree_build(check: Check) -> Iterator[dict]:

@@ -24,10 +24,10 @@ from mfd_sglang.cuda_graph import capture
 from mfd_sglang.drafter import MFDDrafter, apply_rope, rms_norm, rope_cos_sin
 from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
+from mfd_sglang.timing import mean_ms
 from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree
 from mfd_sglang.tree_layout import tree_ancestor_mask
 from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy
-from tree_build import mean_ms  # benchmarks/ is on sys.path when this runs as a script
 
 BUDGET = 64
 STAGES = ("draft", "tree", "verify", "commit")

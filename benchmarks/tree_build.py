@@ -8,24 +8,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 
 import torch
 
+from mfd_sglang.timing import mean_ms
 from mfd_sglang.tree import build_mixture_tree
-
-
-def mean_ms(fn, device: str, repeats: int) -> float:
-    """Mean milliseconds of fn() over `repeats` calls after one warm-up call (compilation for Triton)."""
-    fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats * 1000
 
 
 def time_build(bs: int, k: int, d: int, v: int, budget: int, device: str, backend: str, repeats: int,

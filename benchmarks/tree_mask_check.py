@@ -22,10 +22,10 @@ Two verifies differ only in A's q/k/v (A's token). A row is ok when
   (`path_max_err`), in both verifies. The path is walked from `PARENTS`, not read from the mask.
 
 Modes: "eager" (`init_forward_metadata` + forward); "graph" (CUDA only): one forward captured in a
-torch.cuda.CUDAGraph over static inputs with the plugin's capture input (`tree_verify_capture_input`,
-as `MFDVerifyCudaGraphRunner`), then per verify what `DecodeCudaGraphRunner` does at replay: copy the
-batch into the static buffers, `init_forward_metadata_out_graph` on SGLang's `build_replay_fb_view`,
-replay. On CUDA each row also reports `syncs_per_verify`: host syncs seen by
+torch.cuda.CUDAGraph over static inputs with the plugin's capture input (`tree_verify_input` without
+a layout, as `MFDVerifyCudaGraphRunner`), then per verify what `DecodeCudaGraphRunner` does at replay:
+copy the batch into the static buffers, `init_forward_metadata_out_graph` on SGLang's
+`build_replay_fb_view`, replay. On CUDA each row also reports `syncs_per_verify`: host syncs seen by
 `torch.cuda.set_sync_debug_mode("warn")` around one verify (metadata + forward or replay); FlashInfer
 in a graph runs twice, without and with `SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN=1` (`host_plan`),
 SGLang's opt-in sync-free plan for top-k 1 EAGLE verifies (installed at capture).
@@ -123,7 +123,7 @@ class Setup:
         # The mock runner publishes a ServerArgs override for the backend; undone in close().
         self.runner = MockModelRunner(case=case, model_config=model_config, dtype=self.dtype, device=device,
                                       max_context_len=ctx, head_dim=d, disable_cuda_graph=not graph)
-        # MFD's own speculative settings (algorithms.resolve_server_args): backends choose kernels by
+        # MFD's own speculative settings (launch.resolve_server_args): backends choose kernels by
         # them, e.g. Triton's split-KV verify on gfx95 runs at top-k 1 and never reads the mask.
         self.spec_override = get_spec().override(speculative_eagle_topk=1, speculative_num_steps=1)
         self.spec_override.__enter__()
@@ -230,7 +230,7 @@ def run_graph(s: Setup, inputs: list[list[torch.Tensor]], capture: bool = True):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
 
-    from mfd_sglang.serving.verify_graph import tree_verify_capture_input
+    from mfd_sglang.serving.tree_verify import tree_verify_input
 
     bs, n, dev = len(s.prefix_lens), NUM_NODES, s.device
     tokens, fill = bs * n, s.backend.get_cuda_graph_seq_len_fill_value()
@@ -245,7 +245,7 @@ def run_graph(s: Setup, inputs: list[list[torch.Tensor]], capture: bool = True):
     capture_fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=buf.input_ids,
                               req_pool_indices=buf.req_pool_indices, seq_lens=buf.seq_lens,
                               seq_lens_cpu=buf.seq_lens_cpu, out_cache_loc=buf.out_cache_loc, seq_lens_sum=bs * fill,
-                              positions=buf.positions, spec_info=tree_verify_capture_input(n, mask))
+                              positions=buf.positions, spec_info=tree_verify_input(mask, n))
     s.runner.kv_index_translator.bind_runner_slots(capture_fb)
     outs, syncs = [], []
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=s.backend)):
@@ -344,7 +344,7 @@ def skip_reason(backend: str) -> str | None:
 def tree_mask_section(device: str, quick: bool, *, mask_builder=full_custom_mask) -> list[dict]:
     """Rows for every backend MFD allows on this device x (eager, and on CUDA graph), plus FlashInfer's
     host plan on CUDA. Backends MFD does not allow on this device and graphs off CUDA have no row."""
-    from mfd_sglang.serving.algorithms import TREE_VERIFY_ATTENTION_BACKENDS
+    from mfd_sglang.serving.launch import TREE_VERIFY_ATTENTION_BACKENDS
 
     cuda = device.startswith("cuda")
     backends = TREE_VERIFY_ATTENTION_BACKENDS["cuda" if cuda else "cpu"]

@@ -4,7 +4,7 @@
 
 What a round holds from the target's tree-verify logits on, as `MFDWorkerV2.forward_decode` runs it: the
 float32 logits [bs * (B + 1), V] (SGLang 0.5.23's logits processor returns float32; the accept step would
-copy lower precision), `MFDWorkerV2.accept` (greedy: the argmax; T > 0: one sample per node by SGLang's
+copy lower precision), `accept.accept_tree` (greedy: the argmax; T > 0: one sample per node by SGLang's
 plain law, here top-p 0.9 without a top-k bound, so over the fully sorted vocabulary: the dearest), then
 for requests that return logprobs the emitted tokens' rows and SGLang's `compute_spec_logprobs` over
 them. A random mixture tree of budget B; no penalties, grammar or logit bias (each adds work of its own,
@@ -75,19 +75,14 @@ def round_inputs(bs: int, budget: int, vocab: int, kind: str, seed: int = 0):
 
 
 def verify_round(tree, layout, logits, batch, seq_lens) -> None:
-    """The logits' part of `MFDWorkerV2.forward_decode`: accept, then the logprobs of the emitted tokens."""
-    from mfd_sglang.serving.commit import committed_window_path
-    from mfd_sglang.serving.worker import MFDWorkerV2, attach_logprobs
+    """The logits' part of `MFDWorkerV2.forward_decode`: accept, then the outputs of the emitted tokens."""
+    from mfd_sglang.serving.accept import accept_tree
+    from mfd_sglang.serving.outputs import round_outputs
 
-    width = layout.draft_token.shape[1]
-    result, node_logits = MFDWorkerV2.accept(None, tree, layout, logits, batch, seq_lens)
-    if batch.return_logprob:
-        path = committed_window_path(result, width).clamp(min=0)
-        rows = node_logits.gather(1, path[:, :, None].expand(-1, -1, node_logits.shape[-1]))
-        output = SimpleNamespace(**dict.fromkeys(("next_token_top_logprobs_val", "next_token_top_logprobs_idx",
-                                                  "next_token_token_ids_logprobs_val",
-                                                  "next_token_token_ids_logprobs_idx")))
-        attach_logprobs(batch, output, rows.flatten(0, 1), result.accepted_tokens.clamp(min=0), width)
+    result, node_logits = accept_tree(tree, layout, logits, batch, seq_lens)
+    output = SimpleNamespace(**dict.fromkeys(("next_token_top_logprobs_val", "next_token_top_logprobs_idx",
+                                              "next_token_token_ids_logprobs_val", "next_token_token_ids_logprobs_idx")))
+    round_outputs(batch, output, node_logits, result, layout.draft_token.shape[1])
 
 
 def measure(bs: int, budget: int, vocab: int, kind: str) -> dict:

@@ -11,11 +11,12 @@ Fixed shapes and no host sync, so it can be captured in a CUDA graph. Three laun
      lowest flat index with the same (canonical parent, token) key), its best score over modes and
      the lowest mode reaching it; then the global top-`budget` and the DraftTree fields.
 
-Exact ordering: every ranking sorts a distinct int64 key, the float score mapped to an int32 whose
-signed order is the float order (high half), and (2^31 - 1 - index) (low half). A descending top-k
-over these keys is the reference's stable descending sort: higher score first, ties to the lower
-index (token id, beam flat index, mode, or global index (depth - 1) * M + j). Scores are summed in
-float32 in the same order as the reference, so they are bitwise equal. NaN inputs are unsupported.
+Exact ordering: every ranking sorts a distinct int64 key (`rank_keys`), the float score mapped to
+an int32 whose signed order is the float order (high half), and (2^31 - 1 - index) (low half). A
+descending top-k over these keys is the reference's stable descending sort: higher score first,
+ties to the lower index (token id, beam flat index, mode, or global index (depth - 1) * M + j).
+Scores are summed in float32 in the same order as the reference, so they are bitwise equal. NaN
+inputs are unsupported.
 """
 
 import torch
@@ -23,41 +24,10 @@ import triton
 import triton.language as tl
 
 from mfd_sglang.kernels.bitonic import merge_top
+from mfd_sglang.kernels.rank_keys import MIN_KEY, is_interpreted, key_index, key_score, pow2, rank_key
 from mfd_sglang.tree import DraftCandidates, DraftTree
 
-_MIN_KEY = tl.constexpr(-(2**63))  # below every real key: marks padding lanes
 _TILE = 4096  # elements per ranking tile: bounds the register footprint of one top-k
-
-
-@triton.jit
-def _ordered(x):
-    """float32 -> int32 with the same order (-0.0 and +0.0 map alike)."""
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    # Negative floats order by decreasing magnitude: flip their magnitude bits.
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _unordered(o):
-    """Inverse of `_ordered` (the bit flip is an involution that keeps the sign)."""
-    return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rank_key(score, index):
-    """int64 ranking key: higher score first, ties to the lower index (0 <= index < 2^31)."""
-    return (_ordered(score).to(tl.int64) << 32) + (2147483647 - index).to(tl.int64)
-
-
-@triton.jit
-def _key_score(key):
-    return _unordered((key >> 32).to(tl.int32))
-
-
-@triton.jit
-def _key_index(key):
-    return 2147483647 - (key - ((key >> 32) << 32))
 
 
 @triton.jit
@@ -67,16 +37,16 @@ def _vocab_topk_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)  # (request * K + mode) * D + depth
     row_ptr = logprobs_ptr + row * V
-    running = tl.full([BB], _MIN_KEY, tl.int64)
+    running = tl.full([BB], MIN_KEY, tl.int64)
     for start in range(0, V, TILE_V):
         tokens = start + tl.arange(0, TILE_V)
         # Clamped unmasked load: avoids a (bf16) `other` constant; lanes past V are dropped below.
         lp = tl.load(row_ptr + tl.minimum(tokens, V - 1)).to(tl.float32)
-        keys = tl.where(tokens < V, _rank_key(lp, tokens), _MIN_KEY)
+        keys = tl.where(tokens < V, rank_key(lp, tokens), MIN_KEY)
         running = merge_top(running, keys, TILE_V, BB)
     slot = tl.arange(0, BB)
     keep = slot < NUM_TOP
-    token = tl.where(keep, _key_index(running), 0)
+    token = tl.where(keep, key_index(running), 0)
     # Reload the value rather than decode it, so a -0.0 logprob stays -0.0 like the reference's.
     lp = tl.load(row_ptr + token).to(tl.float32)
     tl.store(top_lp_ptr + row * NUM_TOP + slot, lp, mask=keep)
@@ -100,7 +70,7 @@ def _beam_kernel(
         row = (pid * D + d).to(tl.int64)
         lp = tl.load(top_lp_ptr + row * NUM_TOP + t, mask=t_ok, other=0.0)
         prev_ptr = beam_score_ptr + ((request * D + d - 1) * M + mode * B).to(tl.int64)
-        running = tl.full([BB], _MIN_KEY, tl.int64)
+        running = tl.full([BB], MIN_KEY, tl.int64)
         for s0 in range(0, B, SLOT_TILE):
             slot = s0 + tl.arange(0, SLOT_TILE)
             # Depth 0 is the root alone: slot 0 scores 0, the other slots hold nothing (-inf).
@@ -110,13 +80,13 @@ def _beam_kernel(
             candidate = beam[:, None] + lp[None, :]
             flat = slot[:, None] * NUM_TOP + t[None, :]
             ok = (slot[:, None] < B) & t_ok[None, :]
-            keys = tl.where(ok, _rank_key(candidate, flat), _MIN_KEY)
+            keys = tl.where(ok, rank_key(candidate, flat), MIN_KEY)
             running = merge_top(running, tl.reshape(keys, [SLOT_TILE * NTB]), SLOT_TILE * NTB, BB)
         keep = rank < B  # B * NUM_TOP >= B real candidates, so these ranks are all real
-        flat = tl.where(keep, _key_index(running), 0)
+        flat = tl.where(keep, key_index(running), 0)
         token = tl.load(top_tok_ptr + row * NUM_TOP + flat % NUM_TOP, mask=keep, other=0)
         out = ((request * D + d) * M + mode * B).to(tl.int64) + rank
-        tl.store(beam_score_ptr + out, _key_score(running), mask=keep)
+        tl.store(beam_score_ptr + out, key_score(running), mask=keep)
         tl.store(beam_tok_ptr + out, token, mask=keep)
         tl.store(beam_parent_ptr + out, (mode * B + flat // NUM_TOP).to(tl.int64), mask=keep)
         tl.debug_barrier()  # the next depth reads this depth's scores (other threads' stores)
@@ -127,15 +97,15 @@ def _group_by_key(entry_key_ptr, score_ptr, keys, M, B, MB: tl.constexpr, JT: tl
     """For each entry of one depth: the lowest index with an equal key, and the best
     (score, lowest mode) over the entries with that key, as a rank key."""
     canon = tl.full([MB], 2147483647, tl.int32)
-    best = tl.full([MB], _MIN_KEY, tl.int64)
+    best = tl.full([MB], MIN_KEY, tl.int64)
     for j0 in range(0, M, JT):
         j = j0 + tl.arange(0, JT)
         j_ok = j < M
         other_key = tl.load(entry_key_ptr + j, mask=j_ok, other=0)
-        other_best = _rank_key(tl.load(score_ptr + j, mask=j_ok, other=0.0), j // B)
+        other_best = rank_key(tl.load(score_ptr + j, mask=j_ok, other=0.0), j // B)
         same = (keys[:, None] == other_key[None, :]) & j_ok[None, :]
         canon = tl.minimum(canon, tl.min(tl.where(same, j[None, :], 2147483647), axis=1))
-        best = tl.maximum(best, tl.max(tl.where(same, other_best[None, :], _MIN_KEY), axis=1))
+        best = tl.maximum(best, tl.max(tl.where(same, other_best[None, :], MIN_KEY), axis=1))
     return canon, best
 
 
@@ -168,22 +138,22 @@ def _merge_select_kernel(
         tl.store(canon_ptr + at + j, canon.to(tl.int64), mask=j_ok)
         # Only the canonical entry keeps the prefix (best score, lowest mode at it); others -inf.
         tl.store(merged_score_ptr + at + j,
-                 tl.where(is_canon, _key_score(best), float("-inf")), mask=j_ok)
+                 tl.where(is_canon, key_score(best), float("-inf")), mask=j_ok)
         tl.store(merged_mode_ptr + at + j,
-                 tl.where(is_canon, _key_index(best), K).to(tl.int64), mask=j_ok)
+                 tl.where(is_canon, key_index(best), K).to(tl.int64), mask=j_ok)
         tl.store(canon_parent_ptr + at + j, parent_canon, mask=j_ok)
         tl.store(node_ptr + at + j, tl.full([MB], -1, tl.int64), mask=j_ok)
         tl.debug_barrier()
     # --- selection: the global top-`budget` by (score desc, g asc) ---
-    running = tl.full([BB], _MIN_KEY, tl.int64)
+    running = tl.full([BB], MIN_KEY, tl.int64)
     for g0 in range(0, T, TILE_G):
         g = g0 + tl.arange(0, TILE_G)
         score = tl.load(merged_score_ptr + req + g, mask=g < T, other=float("-inf"))
-        running = merge_top(running, tl.where(g < T, _rank_key(score, g), _MIN_KEY), TILE_G, BB)
+        running = merge_top(running, tl.where(g < T, rank_key(score, g), MIN_KEY), TILE_G, BB)
     rank = tl.arange(0, BB)
     keep = rank < budget  # T >= budget, so these ranks are all real entries
-    g = tl.where(keep, _key_index(running), 0)
-    score = _key_score(running)
+    g = tl.where(keep, key_index(running), 0)
+    score = key_score(running)
     valid = score > float("-inf")
     depth = g // M + 1
     tl.store(node_ptr + req + g, rank.to(tl.int64), mask=keep)
@@ -199,15 +169,6 @@ def _merge_select_kernel(
     tl.store(out_score_ptr + out, score, mask=keep)
     tl.store(out_mode_ptr + out, tl.where(valid, mode, 0), mask=keep)
     tl.store(out_valid_ptr + out, valid, mask=keep)
-
-
-def _is_interpreted() -> bool:
-    # TRITON_INTERPRET is read when @triton.jit runs, i.e. when this module is imported.
-    return type(_vocab_topk_kernel).__name__ == "InterpretedFunction"
-
-
-def _pow2(n: int) -> int:
-    return max(2, triton.next_power_of_2(n))  # >= 2: keeps every top-k a real merge
 
 
 def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: int) -> DraftTree:
@@ -230,7 +191,7 @@ def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: 
         raise ValueError(f"budget must be >= 1, got {budget}")
     if source.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"the Triton tree backend takes float32/16 or bfloat16, not {source.dtype}")
-    if not source.is_cuda and not _is_interpreted():
+    if not source.is_cuda and not is_interpreted():
         raise ValueError(
             "the Triton tree backend needs a CUDA tensor or TRITON_INTERPRET=1 (set before triton "
             f"is imported), got a tensor on {source.device}"
@@ -241,7 +202,7 @@ def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: 
     if depth * num_entries >= 2**31 or vocab >= 2**31:
         raise ValueError("too many tree entries for 32-bit indices")
     dev = source.device
-    bb, ntb, mb = _pow2(width), _pow2(num_top), _pow2(num_entries)
+    bb, ntb, mb = pow2(width), pow2(num_top), pow2(num_entries)
     i64 = dict(dtype=torch.int64, device=dev)
 
     if isinstance(logprobs, DraftCandidates):
@@ -250,7 +211,7 @@ def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: 
     else:
         top_lp = torch.empty(bs * num_modes * depth, num_top, dtype=torch.float32, device=dev)
         top_tok = torch.empty(bs * num_modes * depth, num_top, **i64)
-        tile_v = max(bb, min(_pow2(vocab), 1024))
+        tile_v = max(bb, min(pow2(vocab), 1024))
         _vocab_topk_kernel[(bs * num_modes * depth,)](
             logprobs.contiguous(), top_lp, top_tok, vocab, num_top, BB=bb, TILE_V=tile_v
         )
@@ -277,7 +238,7 @@ def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: 
         tokens, parents, depths, scores, modes, valid,
         num_modes, depth, width, vocab, budget,
         MB=mb, JT=max(1, min(mb, _TILE // mb)), BB=bb,
-        TILE_G=max(bb, min(_pow2(depth * num_entries), _TILE)),
+        TILE_G=max(bb, min(pow2(depth * num_entries), _TILE)),
     )
     return DraftTree(
         tokens=tokens, parents=parents, depths=depths, scores=scores, modes=modes, valid=valid

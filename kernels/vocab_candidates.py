@@ -13,9 +13,9 @@ Fixed shapes and no host sync, so it can be captured in a CUDA graph. Two steps:
   2. In torch (tiny): the top-`count` of the [rows, splits * BB] keys, the splits' (max, sum)
      combined into the log-normaliser, the keys decoded as the reference decodes its own.
 
-Exactness. The ranking sorts distinct int64 keys (`_rank_key` of `mixture_tree`: the logit's
+Exactness. The ranking sorts distinct int64 keys (`rank_keys.rank_key`: the logit's
 order-preserving bits, then 2^31 - 1 - id), built and decoded exactly as the reference's
-`_rank_keys` / `_from_rank_keys`, so equal logits give bit-equal ids and logits: ties to the lower
+`rank_keys` / `from_rank_keys`, so equal logits give bit-equal ids and logits: ties to the lower
 id, -0.0 as +0.0. The logits themselves are torch's up to the GEMM's summation order, i.e. bit-equal
 whenever the dot products are exact (e.g. small-integer inputs) and otherwise within the float32
 accumulation error of any two GEMMs, before the rounding to the input dtype (which both do). The
@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.drafter import _from_rank_keys
+from mfd_sglang.drafter import from_rank_keys
 from mfd_sglang.kernels.bitonic import merge_top_rows
-from mfd_sglang.kernels.mixture_tree import _MIN_KEY, _is_interpreted, _pow2, _rank_key
+from mfd_sglang.kernels.rank_keys import MIN_KEY, is_interpreted, pow2, rank_key
 from mfd_sglang.tree import DraftCandidates
 
 _TARGET_PROGRAMS = 512  # stage-1 programs aimed at: a few per SM of a large GPU
@@ -59,7 +59,7 @@ def _vocab_top_kernel(
     hidden_rows = hidden_ptr + rows.to(tl.int64)[:, None] * stride_hr
     lanes = tl.arange(0, TILE_V)
     chunk = tl.arange(0, BLOCK_H)
-    running = tl.full([ROWS, BB], _MIN_KEY, tl.int64)
+    running = tl.full([ROWS, BB], MIN_KEY, tl.int64)
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS], tl.float32)
     first = split.to(tl.int64) * tiles_per_split * TILE_V  # int64: no overflow near V = 2^31
@@ -80,7 +80,7 @@ def _vocab_top_kernel(
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         # Rounded to the input dtype, as torch's matmul output is before `.float()`.
         logits = acc.to(hidden_ptr.dtype.element_ty).to(tl.float32)
-        keys = tl.where(v_ok[None, :], _rank_key(logits, v[None, :]), _MIN_KEY)
+        keys = tl.where(v_ok[None, :], rank_key(logits, v[None, :]), MIN_KEY)
         running = merge_top_rows(running, keys, ROWS, TILE_V, BB)
         real = tl.where(v_ok[None, :], logits, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(real, axis=1))  # finite: the tile has a real row
@@ -116,7 +116,7 @@ def vocab_top_logits_triton(
                          f"one dtype, not {hidden.dtype} and {weight.dtype}")
     if hidden.device != weight.device:
         raise ValueError(f"hidden is on {hidden.device}, weight on {weight.device}")
-    if not hidden.is_cuda and not _is_interpreted():
+    if not hidden.is_cuda and not is_interpreted():
         raise ValueError(
             "the Triton vocab_candidates needs CUDA tensors or TRITON_INTERPRET=1 (set before triton "
             f"is imported), got tensors on {hidden.device}"
@@ -134,8 +134,8 @@ def vocab_top_logits_triton(
                 torch.empty(*lead, count, dtype=torch.int64, device=dev),
                 torch.empty(lead, dtype=torch.float32, device=dev))
 
-    bb = _pow2(count)
-    tile = max(bb, tile_v or min(_TILE_V, _pow2(vocab)))
+    bb = pow2(count)
+    tile = max(bb, tile_v or min(_TILE_V, pow2(vocab)))
     chunk = block_h or max(16, min(_BLOCK_H, triton.next_power_of_2(size)))
     block_rows = rows_per_block or max(16, min(_MAX_ROWS, triton.next_power_of_2(n_rows)))
     if tile & (tile - 1) or chunk & (chunk - 1) or block_rows & (block_rows - 1):
@@ -157,15 +157,15 @@ def vocab_top_logits_triton(
         n_rows, vocab, size, tiles_per_split, splits,
         rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1),
         ROWS=block_rows, TILE_V=tile, BLOCK_H=chunk, BB=bb,
-        UPCAST=_is_interpreted() and hidden.dtype == torch.bfloat16,
+        UPCAST=is_interpreted() and hidden.dtype == torch.bfloat16,
         # float32 inputs: full-precision products like torch's default matmul (no TF32); 16-bit
         # inputs ignore it (tensor cores, float32 accumulation).
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         num_warps=4 if block_rows * tile <= 2048 else 8,
     )
-    # Distinct keys: topk's order is exact; padding keys (_MIN_KEY) rank below the >= count real ones.
+    # Distinct keys: topk's order is exact; padding keys (MIN_KEY) rank below the >= count real ones.
     best = keys.view(n_rows, splits * bb).topk(count, dim=-1).values
-    logits, ids = _from_rank_keys(best)
+    logits, ids = from_rank_keys(best)
     top_max = maxes.amax(-1)
     lognorm = top_max + (sums * torch.exp(maxes - top_max[:, None])).sum(-1).log()
     return logits.view(*lead, count), ids.view(*lead, count), lognorm.view(lead)

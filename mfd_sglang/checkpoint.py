@@ -102,7 +102,8 @@ class DrafterCheckpoint:
         return "mfd" if "mode_embed" in self.weights else "dflash"
 
 
-def _err(field_name: str, found: Any, expected: str, fix: str = "") -> CheckpointError:
+def field_error(field_name: str, found: Any, expected: str, fix: str = "") -> CheckpointError:
+    """The CheckpointError naming `field_name`, what was found, what was expected and (optionally) the fix."""
     msg = f"{field_name}: found {found!r}, expected {expected}"
     return CheckpointError(msg + (f". {fix}" if fix else ""))
 
@@ -110,9 +111,9 @@ def _err(field_name: str, found: Any, expected: str, fix: str = "") -> Checkpoin
 def _get_int(raw: Mapping[str, Any], name: str, *, default: Any = None, where: str = "config.json") -> int:
     value = raw.get(name, default)
     if value is None:
-        raise _err(f"{where} {name}", None, "an integer", "The field is required.")
+        raise field_error(f"{where} {name}", None, "an integer", "The field is required.")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _err(f"{where} {name}", value, "an integer")
+        raise field_error(f"{where} {name}", value, "an integer")
     return value
 
 
@@ -124,7 +125,7 @@ def _dflash_value(raw: Mapping[str, Any], name: str) -> Any:
 def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
     """Read a drafter's config.json (DFlash or MFD) into a DrafterConfig, checking every field."""
     if not isinstance(raw, Mapping):
-        raise _err("config.json", type(raw).__name__, "a JSON object")
+        raise field_error("config.json", type(raw).__name__, "a JSON object")
     hidden = _get_int(raw, "hidden_size")
     heads = _get_int(raw, "num_attention_heads")
     head_dim = raw.get("head_dim") or (hidden // heads)
@@ -132,17 +133,17 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
     if not isinstance(layer_ids, list) or not layer_ids or not all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_ids
     ):
-        raise _err(
+        raise field_error(
             "dflash_config.target_layer_ids", layer_ids, "a non-empty list of layer indices >= 0",
             "A DFlash drafter names the target layers whose hidden states it reads.",
         )
     mask_token_id = _dflash_value(raw, "mask_token_id")
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or mask_token_id < 0:
-        raise _err("dflash_config.mask_token_id", mask_token_id, "a token id >= 0")
+        raise field_error("dflash_config.mask_token_id", mask_token_id, "a token id >= 0")
     block_size = _dflash_value(raw, "block_size")
     block_size = 16 if block_size is None else block_size
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-        raise _err("block_size", block_size, "an integer >= 2 (last verified token + drafted positions)")
+        raise field_error("block_size", block_size, "an integer >= 2 (last verified token + drafted positions)")
 
     rope_theta = raw.get("rope_theta")
     rope_parameters = raw.get("rope_parameters") or {}
@@ -151,33 +152,33 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
     rope_scaling = raw.get("rope_scaling") or rope_parameters
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type not in ("default", None):
-        raise _err("rope_scaling.rope_type", rope_type, "'default'", "Only plain RoPE drafters are supported.")
+        raise field_error("rope_scaling.rope_type", rope_type, "'default'", "Only plain RoPE drafters are supported.")
 
     layers = _get_int(raw, "num_hidden_layers")
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-            raise _err("layer_types", layer_types, f"{layers} entries of 'full_attention'/'sliding_attention'")
+            raise field_error("layer_types", layer_types, f"{layers} entries of 'full_attention'/'sliding_attention'")
         layer_types = tuple(layer_types)
     sliding_window = raw.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None
     if layer_types and "sliding_attention" in layer_types and not isinstance(sliding_window, int):
-        raise _err("sliding_window", sliding_window, "an integer when layer_types has sliding_attention")
+        raise field_error("sliding_window", sliding_window, "an integer when layer_types has sliding_attention")
 
     mfd = raw.get("mfd_config") or {}
     if not isinstance(mfd, Mapping):
-        raise _err("mfd_config", mfd, "a JSON object")
+        raise field_error("mfd_config", mfd, "a JSON object")
     num_modes = mfd.get("num_modes")
     if num_modes is not None and (isinstance(num_modes, bool) or not isinstance(num_modes, int) or num_modes < 1):
-        raise _err("mfd_config.num_modes", num_modes, "an integer >= 1")
+        raise field_error("mfd_config.num_modes", num_modes, "an integer >= 1")
     default_mode = mfd.get("default_mode", _UNSPECIFIED)
     if default_mode == "embed":
         default_mode = None
     elif "default_mode" in mfd and (isinstance(default_mode, bool) or not isinstance(default_mode, int) or default_mode < 0):
-        raise _err("mfd_config.default_mode", default_mode, "a mode index >= 0 or \"embed\"")
+        raise field_error("mfd_config.default_mode", default_mode, "a mode index >= 0 or \"embed\"")
     draft_vocab_size = mfd.get("draft_vocab_size")
     mode_prior = mfd.get("mode_prior")
     if mode_prior is not None and mode_prior not in MODE_PRIORS:
-        raise _err("mfd_config.mode_prior", mode_prior, " or ".join(f'"{p}"' for p in MODE_PRIORS))
+        raise field_error("mfd_config.mode_prior", mode_prior, " or ".join(f'"{p}"' for p in MODE_PRIORS))
 
     known = {
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -250,7 +251,7 @@ def _read_json(path: Path, field_name: str) -> Any:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise _err(field_name, f"invalid JSON ({exc})", "a JSON object") from exc
+        raise field_error(field_name, f"invalid JSON ({exc})", "a JSON object") from exc
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -261,17 +262,17 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         weight_map = _read_json(index, WEIGHTS_INDEX_FILE)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
-            raise _err(f"{WEIGHTS_INDEX_FILE} weight_map", weight_map, "an object of tensor name -> shard file")
+            raise field_error(f"{WEIGHTS_INDEX_FILE} weight_map", weight_map, "an object of tensor name -> shard file")
         shards = sorted(set(weight_map.values()))
         weights: dict[str, torch.Tensor] = {}
         for shard in shards:
             if not (path / shard).is_file():
-                raise _err(f"{WEIGHTS_INDEX_FILE} shard", shard, "an existing file next to the index")
+                raise field_error(f"{WEIGHTS_INDEX_FILE} shard", shard, "an existing file next to the index")
             weights |= load_file(str(path / shard))
         return weights
     found = sorted(p.name for p in path.iterdir())
-    raise _err("weights", found, f"{WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {path}",
-               "Save the drafter with safetensors (save_pretrained(..., safe_serialization=True)).")
+    raise field_error("weights", found, f"{WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {path}",
+                      "Save the drafter with safetensors (save_pretrained(..., safe_serialization=True)).")
 
 
 def _canonical_names(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
@@ -292,40 +293,45 @@ def _resolve_modes(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) -> D
     mode_embed = weights.get("mode_embed")
     if mode_embed is None:
         if cfg.num_modes > 1:
-            raise _err("mode_embed", None, f"a [{cfg.num_modes}, {h}] tensor (mfd_config.num_modes = {cfg.num_modes})",
-                       "Either add the mode embeddings or drop mfd_config.num_modes.")
+            raise field_error("mode_embed", None,
+                              f"a [{cfg.num_modes}, {h}] tensor (mfd_config.num_modes = {cfg.num_modes})",
+                              "Either add the mode embeddings or drop mfd_config.num_modes.")
         num_modes = 1
     else:
         if mode_embed.dim() != 2 or mode_embed.shape[1] != h:
-            raise _err("mode_embed shape", tuple(mode_embed.shape), f"[K, {h}] (K modes x hidden_size)")
+            raise field_error("mode_embed shape", tuple(mode_embed.shape), f"[K, {h}] (K modes x hidden_size)")
         num_modes = mode_embed.shape[0]
         if cfg.num_modes and cfg.num_modes != num_modes:
-            raise _err("mfd_config.num_modes", cfg.num_modes, f"{num_modes} (rows of mode_embed)")
+            raise field_error("mfd_config.num_modes", cfg.num_modes, f"{num_modes} (rows of mode_embed)")
     default_mode = cfg.default_mode
     default_embed = weights.get("default_mode_embed")
     if default_embed is not None and tuple(default_embed.shape) != (h,):
-        raise _err("default_mode_embed shape", tuple(default_embed.shape), f"[{h}]")
+        raise field_error("default_mode_embed shape", tuple(default_embed.shape), f"[{h}]")
     if default_mode is None and default_embed is None:
-        raise _err("default_mode_embed", None, f"a [{h}] tensor (mfd_config.default_mode = \"embed\")")
+        raise field_error("default_mode_embed", None, f"a [{h}] tensor (mfd_config.default_mode = \"embed\")")
     if default_mode == _UNSPECIFIED:
         default_mode = None if default_embed is not None else 0
     elif default_mode is not None and default_embed is not None:
-        raise _err("default_mode_embed", f"a [{h}] tensor", f"none with mfd_config.default_mode = {default_mode}",
-                   "Set mfd_config.default_mode to \"embed\" to draft with it, or remove the tensor.")
+        raise field_error("default_mode_embed", f"a [{h}] tensor",
+                          f"none with mfd_config.default_mode = {default_mode}",
+                          "Set mfd_config.default_mode to \"embed\" to draft with it, or remove the tensor.")
     if default_mode is not None and default_mode >= num_modes:
-        raise _err("mfd_config.default_mode", default_mode, f"a mode index below K = {num_modes}")
+        raise field_error("mfd_config.default_mode", default_mode, f"a mode index below K = {num_modes}")
     draft_vocab = weights.get("draft_vocab")
     draft_vocab_size = None
     if draft_vocab is not None:
         if draft_vocab.dim() != 1 or draft_vocab.dtype not in (torch.int32, torch.int64):
-            raise _err("draft_vocab", f"{draft_vocab.dtype} {tuple(draft_vocab.shape)}", "a 1-D int64 tensor of target ids")
+            raise field_error("draft_vocab", f"{draft_vocab.dtype} {tuple(draft_vocab.shape)}",
+                              "a 1-D int64 tensor of target ids")
         if draft_vocab.numel() > 1 and not bool((draft_vocab[1:] > draft_vocab[:-1]).all()):
-            raise _err("draft_vocab", "unsorted or repeated ids", "strictly increasing target token ids")
+            raise field_error("draft_vocab", "unsorted or repeated ids", "strictly increasing target token ids")
         if draft_vocab.numel() and (int(draft_vocab[0]) < 0 or int(draft_vocab[-1]) >= cfg.vocab_size):
-            raise _err("draft_vocab ids", (int(draft_vocab[0]), int(draft_vocab[-1])), f"ids in [0, {cfg.vocab_size})")
+            raise field_error("draft_vocab ids", (int(draft_vocab[0]), int(draft_vocab[-1])),
+                              f"ids in [0, {cfg.vocab_size})")
         draft_vocab_size = draft_vocab.numel()
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
-        raise _err("mfd_config.draft_vocab_size", cfg.draft_vocab_size, f"{draft_vocab_size} (length of draft_vocab)")
+        raise field_error("mfd_config.draft_vocab_size", cfg.draft_vocab_size,
+                          f"{draft_vocab_size} (length of draft_vocab)")
     return replace(cfg, num_modes=num_modes, default_mode=default_mode, draft_vocab_size=draft_vocab_size,
                    mode_prior=_resolve_mode_prior(cfg, weights, num_modes))
 
@@ -336,22 +342,22 @@ def _resolve_mode_prior(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor],
     rule = cfg.mode_prior or ("gate" if present else "uniform")
     if rule == "uniform":
         if present:
-            raise _err(present[0], f"a {tuple(weights[present[0]].shape)} tensor",
-                       'none with mfd_config.mode_prior = "uniform"',
-                       'Set mfd_config.mode_prior to "gate" to weigh the modes by it, or remove the mode gate.')
+            raise field_error(present[0], f"a {tuple(weights[present[0]].shape)} tensor",
+                              'none with mfd_config.mode_prior = "uniform"',
+                              'Set mfd_config.mode_prior to "gate" to weigh the modes by it, or remove the mode gate.')
         return rule
     h = cfg.hidden_size
     if num_modes < 2:
-        raise _err("mfd_config.mode_prior" if cfg.mode_prior else present[0], "a mode gate",
-                   f"none for a drafter with K = {num_modes} mode (a gate weighs K >= 2 modes)")
+        raise field_error("mfd_config.mode_prior" if cfg.mode_prior else present[0], "a mode gate",
+                          f"none for a drafter with K = {num_modes} mode (a gate weighs K >= 2 modes)")
     for name, shape in zip(MODE_GATE_TENSORS, ((num_modes, h), (num_modes,))):
         tensor = weights.get(name)
         if tensor is None:
-            raise _err(name, None, f"a {list(shape)} tensor (the mode gate, mfd_config.mode_prior = \"gate\")",
-                       "A gate needs both mode_prior.weight and mode_prior.bias.")
+            raise field_error(name, None, f"a {list(shape)} tensor (the mode gate, mfd_config.mode_prior = \"gate\")",
+                              "A gate needs both mode_prior.weight and mode_prior.bias.")
         if tuple(tensor.shape) != shape or not tensor.is_floating_point():
-            raise _err(f"{name} shape", f"{tensor.dtype} {tuple(tensor.shape)}",
-                       f"a floating {list(shape)} tensor (K = {num_modes} modes x hidden_size {h})")
+            raise field_error(f"{name} shape", f"{tensor.dtype} {tuple(tensor.shape)}",
+                              f"a floating {list(shape)} tensor (K = {num_modes} modes x hidden_size {h})")
     return rule
 
 
@@ -362,31 +368,31 @@ def validate_weights(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) ->
     if fc is not None and fc.dim() == 2 and fc.shape[0] == cfg.hidden_size:
         n_ctx = len(cfg.target_layer_ids)
         if fc.shape[1] % n_ctx:
-            raise _err("fc.weight shape", tuple(fc.shape),
-                       f"[{cfg.hidden_size}, {n_ctx} x target hidden size] ({n_ctx} target_layer_ids)")
+            raise field_error("fc.weight shape", tuple(fc.shape),
+                              f"[{cfg.hidden_size}, {n_ctx} x target hidden size] ({n_ctx} target_layer_ids)")
         shapes["fc.weight"] = (cfg.hidden_size, fc.shape[1])
     missing = [n for n in shapes if n not in weights]
     if missing:
-        raise _err("weights", f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}",
-                   f"all {len(shapes)} DFlash tensors", "Is this a DFlash/MFD drafter checkpoint?")
+        raise field_error("weights", f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}",
+                          f"all {len(shapes)} DFlash tensors", "Is this a DFlash/MFD drafter checkpoint?")
     for name, shape in shapes.items():
         if tuple(weights[name].shape) != shape:
-            raise _err(f"{name} shape", tuple(weights[name].shape), str(list(shape)))
+            raise field_error(f"{name} shape", tuple(weights[name].shape), str(list(shape)))
     optional = {"mode_embed", "default_mode_embed", "draft_vocab", *MODE_GATE_TENSORS}
     unknown = sorted(n for n in weights if n not in shapes and n not in optional)
     if unknown:
-        raise _err("weights", f"unknown tensors {unknown[:5]}", "only DFlash/MFD drafter tensors",
-                   "Remove them or convert the checkpoint; nothing is dropped silently.")
+        raise field_error("weights", f"unknown tensors {unknown[:5]}", "only DFlash/MFD drafter tensors",
+                          "Remove them or convert the checkpoint; nothing is dropped silently.")
 
 
 def load_drafter(path: str | Path, *, device: str | torch.device = "cpu") -> DrafterCheckpoint:
     """Load and validate a DFlash or MFD drafter directory."""
     path = Path(path)
     if not path.is_dir():
-        raise _err("drafter path", str(path), "a directory with config.json and safetensors weights")
+        raise field_error("drafter path", str(path), "a directory with config.json and safetensors weights")
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
-        raise _err("config.json", None, f"a file at {config_path}")
+        raise field_error("config.json", None, f"a file at {config_path}")
     raw = _read_json(config_path, "config.json")
     cfg = parse_drafter_config(raw)
     weights, ignored = _canonical_names(_read_weights(path))
@@ -406,11 +412,13 @@ def save_drafter(path: str | Path, raw_config: Mapping[str, Any], weights: Mappi
 
 # --- the fit check against a target -------------------------------------------------------------
 
-def _target_text_config(target: Any) -> dict[str, Any]:
+def target_text_config(target: Any) -> dict[str, Any]:
+    """The target's text config as a dict: from a model directory, a mapping or a transformers config
+    (a multimodal config's `text_config`)."""
     if isinstance(target, (str, Path)):
         config_path = Path(target) / CONFIG_FILE
         if not config_path.is_file():
-            raise _err("target config.json", None, f"a file at {config_path}")
+            raise field_error("target config.json", None, f"a file at {config_path}")
         target = _read_json(config_path, "target config.json")
     if not isinstance(target, Mapping):
         target = target.to_dict()
@@ -419,25 +427,27 @@ def _target_text_config(target: Any) -> dict[str, Any]:
 
 def check_fits_target(ckpt: DrafterCheckpoint, target: Any) -> None:
     """Raise CheckpointError unless the drafter can run on this target (a config dict, HF config or dir)."""
-    cfg, tgt = ckpt.config, _target_text_config(target)
+    cfg, tgt = ckpt.config, target_text_config(target)
     t_hidden, t_vocab, t_layers = tgt.get("hidden_size"), tgt.get("vocab_size"), tgt.get("num_hidden_layers")
     if cfg.hidden_size != t_hidden:
-        raise _err("hidden_size", cfg.hidden_size, f"{t_hidden} (the target's; the drafter borrows its embeddings)")
+        raise field_error("hidden_size", cfg.hidden_size,
+                          f"{t_hidden} (the target's; the drafter borrows its embeddings)")
     fc_in = ckpt.weights["fc.weight"].shape[1]
     if fc_in != len(cfg.target_layer_ids) * t_hidden:
-        raise _err("fc.weight input size", fc_in, f"{len(cfg.target_layer_ids)} x {t_hidden} = "
-                   f"{len(cfg.target_layer_ids) * t_hidden} (target_layer_ids x target hidden_size)")
+        raise field_error("fc.weight input size", fc_in, f"{len(cfg.target_layer_ids)} x {t_hidden} = "
+                          f"{len(cfg.target_layer_ids) * t_hidden} (target_layer_ids x target hidden_size)")
     if cfg.vocab_size != t_vocab:
-        raise _err("vocab_size", cfg.vocab_size, f"{t_vocab} (the target's)")
+        raise field_error("vocab_size", cfg.vocab_size, f"{t_vocab} (the target's)")
     bad = [i for i in cfg.target_layer_ids if i >= t_layers]
     if bad:
-        raise _err("dflash_config.target_layer_ids", list(cfg.target_layer_ids),
-                   f"layer indices below the target's depth {t_layers} (out of range: {bad})")
+        raise field_error("dflash_config.target_layer_ids", list(cfg.target_layer_ids),
+                          f"layer indices below the target's depth {t_layers} (out of range: {bad})")
     if cfg.num_target_layers is not None and cfg.num_target_layers != t_layers:
-        raise _err("num_target_layers", cfg.num_target_layers, f"{t_layers} (the target's num_hidden_layers)",
-                   "The drafter was trained for a target of another depth.")
+        raise field_error("num_target_layers", cfg.num_target_layers, f"{t_layers} (the target's num_hidden_layers)",
+                          "The drafter was trained for a target of another depth.")
     if cfg.mask_token_id >= t_vocab:
-        raise _err("dflash_config.mask_token_id", cfg.mask_token_id, f"a token id below the target's vocab_size {t_vocab}")
+        raise field_error("dflash_config.mask_token_id", cfg.mask_token_id,
+                          f"a token id below the target's vocab_size {t_vocab}")
 
 
 def describe(ckpt: DrafterCheckpoint) -> dict[str, Any]:

@@ -112,16 +112,16 @@ def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chu
         row_sum = row_sum * torch.exp(row_max - new_max) + torch.exp(logits - new_max[..., None]).sum(-1)
         row_max = new_max
         ids = torch.arange(start, start + logits.shape[-1], device=hidden.device)
-        merged = torch.cat([best, _rank_keys(logits, ids)], -1)
+        merged = torch.cat([best, rank_keys(logits, ids)], -1)
         best = merged.topk(min(count, merged.shape[-1]), dim=-1).values
-    logits, ids = _from_rank_keys(best)
+    logits, ids = from_rank_keys(best)
     return DraftCandidates(logits - (row_max + row_sum.log())[..., None], ids, vocab)
 
 
 _LOW31 = 0x7FFFFFFF
 
 
-def _rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """int64 keys ordered like (value, -id): the float's order-preserving int32 bits in the high half
     (negative floats flip their magnitude bits; -0.0 counts as +0.0), 2^31 - 1 - id in the low half."""
     bits = torch.where(values == 0, torch.zeros_like(values), values).view(torch.int32)
@@ -129,8 +129,8 @@ def _rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return (ordered.to(torch.int64) << 32) + (_LOW31 - ids)
 
 
-def _from_rank_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `_rank_keys`: (float32 values, int64 ids)."""
+def from_rank_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `rank_keys`: (float32 values, int64 ids)."""
     ordered = (keys >> 32).to(torch.int32)
     return (ordered ^ ((ordered >> 31) & _LOW31)).view(torch.float32), _LOW31 - (keys & 0xFFFFFFFF)
 

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from .checkpoint import check_fits_target, load_drafter
 from .drafter import DraftContext, MFDDrafter, context_features
+from .timing import timed
 from .tree import DraftTree, build_chain, build_mixture_tree
 from .tree_layout import tree_ancestor_mask
 from .verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
@@ -213,9 +214,9 @@ class SpeculativeGenerator:
         return tree
 
     @torch.inference_mode()
-    def verify(self, state: _State, tree: DraftTree, params: SamplingParams):
+    def verify(self, state: _State, tree: DraftTree):
         """One target forward over [root, tree nodes] per row; returns the walk's result and the forward output.
-        The sampling settings and seeds are the state's, fixed at prefill (params is kept for callers)."""
+        The sampling settings and seeds are the state's, fixed at prefill."""
         input_ids = torch.cat([state.roots[:, None], tree.tokens], dim=1)
         depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
         cache_width = state.cache.get_seq_length()
@@ -282,7 +283,7 @@ class SpeculativeGenerator:
         while not all(done):
             logprobs = self._timed(state, "draft", self.draft, state)
             tree = self._timed(state, "tree", self.build_tree, logprobs)
-            result, out = self._timed(state, "verify", self.verify, state, tree, params)
+            result, out = self._timed(state, "verify", self.verify, state, tree)
             keep = []
             for row, tokens in enumerate(result.accepted_tokens.tolist()):
                 if done[row]:
@@ -312,13 +313,8 @@ class SpeculativeGenerator:
         return plain_greedy(self.target, input_ids, max_new_tokens, eos_token_ids)
 
     def _timed(self, state: _State, stage: str, fn, *args):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        value = fn(*args)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        state.stage_seconds[stage] += time.perf_counter() - start
+        value, seconds = timed(lambda: fn(*args), self.device)
+        state.stage_seconds[stage] += seconds
         return value
 
     @staticmethod

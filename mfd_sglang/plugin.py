@@ -2,14 +2,16 @@
 
 SGLang calls `register()` once per process (launcher, scheduler, detokenizer) before it parses
 arguments, so what is registered here is known everywhere:
-  - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.algorithms`);
+  - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.algorithms`) with their worker
+    factory, `mfd_worker_class`: this module is where the algorithms meet the worker, so neither of
+    `serving/algorithms.py` and `serving/worker.py` imports the other;
   - their HookRegistry hooks: the target check (hybrid / sliding-window targets are refused) and
     the drafter-path check before SGLang's argument resolution acts on them
     (`mfd_sglang.patches.launch_checks`), the per-request checks
     (`mfd_sglang.patches.request_checks`), the penalty state on the forward's sampling info
-    (`mfd_sglang.patches.penalty_state`), the tree-verify CUDA-graph runner
-    (`mfd_sglang.patches.verify_graph`) and the tree path of the hybrid linear-attention backend
-    (`mfd_sglang.patches.hybrid_tree_verify`);
+    (`mfd_sglang.patches.penalty_state`), the target's decode CUDA-graph runner as a tree-verify one
+    (`mfd_sglang.patches.tree_verify_graph_runner`) and the tree path of the hybrid linear-attention
+    backend (`mfd_sglang.patches.hybrid_tree_verify`);
   - the `mfd_cpu` attention backend (plain torch, for CPU-only machines; `mfd_sglang.cpu.attention`);
   - the CPU HookRegistry hooks, when `python -m mfd_sglang.cpu.launch_server` started the process
     tree (`MFD_SGLANG_CPU=1`); SGLang applies hooks per process, so they are registered again in
@@ -45,6 +47,16 @@ def source_checkout_error() -> str | None:
             "package (pip install -e .).")
 
 
+def mfd_worker_class(server_args):
+    """The worker factory of MFD and MFD_D (`register_algorithms`): SGLang calls it in each scheduler
+    process for the class of the speculative worker."""
+    # Imported here so that an error in the worker module surfaces at launch with its own
+    # traceback instead of hiding behind "Unknown speculative algorithm".
+    from .serving.worker import MFDWorkerV2
+
+    return MFDWorkerV2
+
+
 def register() -> None:
     problem = source_checkout_error()
     if problem:
@@ -54,12 +66,12 @@ def register() -> None:
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
     from .patches import (hybrid_tree_verify, installed_check, launch_checks, penalty_state, request_checks,
-                          verify_graph)
+                          tree_verify_graph_runner)
 
     try:
         from .serving.algorithms import register_algorithms
 
-        algorithms = register_algorithms()
+        algorithms = register_algorithms(mfd_worker_class)
     except Exception as e:
         print(f"[mfd_sglang] could not register the MFD / MFD_D speculative algorithms: "
               f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -67,7 +79,7 @@ def register() -> None:
     launch_checks.install()
     request_checks.install()
     penalty_state.install()
-    verify_graph.install()
+    tree_verify_graph_runner.install()
     hybrid_tree_verify.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()

@@ -15,7 +15,7 @@ path on for MFD without changing top-k anywhere else:
   step's window overlaps the previous step's).
 
 After acceptance the worker commits the state after each request's last accepted node
-(``MFDWorkerV2.commit``, through SGLang's ``commit_mamba_states_after_verify``).
+(``MFDWorkerV2.commit_verified``, through SGLang's ``commit_mamba_states_after_verify``).
 """
 
 from __future__ import annotations
@@ -26,21 +26,19 @@ CONV_WINDOW_DEDUP = "sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled"
 TREE_TOPK = 2  # any value > 1 selects the backend's tree path
 
 
-def _is_mfd(algorithm) -> bool:
-    from mfd_sglang.serving.algorithms import ALGORITHMS
-
-    return str(getattr(algorithm, "name", algorithm) or "").upper() in ALGORITHMS
-
-
 def tree_path_after(result, backend, model_runner, *args, **kwargs):
-    if _is_mfd(model_runner.spec_algorithm) and not model_runner.is_draft_worker:
+    from mfd_sglang.serving.algorithms import is_mfd
+
+    if is_mfd(model_runner.spec_algorithm) and not model_runner.is_draft_worker:
         backend.topk = max(backend.topk, TREE_TOPK)
 
 
 def dense_conv_windows_around(original, *args, **kwargs):
     from sglang.srt.runtime_context import get_spec
 
-    return False if _is_mfd(get_spec().speculative_algorithm) else original(*args, **kwargs)
+    from mfd_sglang.serving.algorithms import is_mfd
+
+    return False if is_mfd(get_spec().speculative_algorithm) else original(*args, **kwargs)
 
 
 def install() -> None:

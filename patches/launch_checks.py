@@ -11,7 +11,7 @@ During argument resolution SGLang calls it with the algorithm name and the draft
 it loads the drafter's config.json through the Hugging Face hub helpers before any
 algorithm-specific check runs. A missing local directory then fails with "Repo id must be in the
 form 'repo_name'...", which does not say what is wrong. For MFD / MFD_D the hook first checks the
-path itself (``mfd_sglang.serving.algorithms.check_drafter_path``) and raises a message that names
+path itself (``mfd_sglang.serving.launch.check_drafter_path``) and raises a message that names
 the flag and the fix. Other algorithms are untouched. Re-check the function on SGLang upgrades.
 """
 
@@ -24,10 +24,10 @@ RESOLUTION_PIPELINE = "sglang.srt.arg_groups.pipeline.run_resolution_pipeline"
 
 def refuse_unsupported_target_before(server_args=None, *args, **kwargs):
     """BEFORE hook: raise for MFD / MFD_D on a target whose tree verify SGLang would get wrong."""
-    from mfd_sglang.serving.algorithms import ALGORITHMS
+    from mfd_sglang.serving.algorithms import is_mfd
     from mfd_sglang.serving.target_checks import target_refusal
 
-    if str(getattr(server_args, "speculative_algorithm", None) or "").upper() not in ALGORITHMS:
+    if not is_mfd(getattr(server_args, "speculative_algorithm", None)):
         return
     refusal = target_refusal(server_args.model_path, trust_remote_code=bool(server_args.trust_remote_code),
                              revision=getattr(server_args, "revision", None))
@@ -37,11 +37,11 @@ def refuse_unsupported_target_before(server_args=None, *args, **kwargs):
 
 def check_mfd_drafter_before(speculative_algorithm=None, speculative_draft_model_path=None, *args, **kwargs):
     """BEFORE hook: raise for MFD / MFD_D without a local drafter directory."""
-    from mfd_sglang.serving.algorithms import ALGORITHMS, check_drafter_path
+    from mfd_sglang.serving.algorithms import is_mfd
+    from mfd_sglang.serving.launch import check_drafter_path
 
-    algo = str(speculative_algorithm or "").upper()
-    if algo in ALGORITHMS:
-        check_drafter_path(algo, speculative_draft_model_path)
+    if is_mfd(speculative_algorithm):
+        check_drafter_path(str(speculative_algorithm).upper(), speculative_draft_model_path)
 
 
 def install() -> None:

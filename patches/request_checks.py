@@ -32,9 +32,9 @@ def unsupported_request_features(req) -> list[str]:
 def running_mfd() -> bool:
     from sglang.srt.runtime_context import get_spec
 
-    from mfd_sglang.serving.algorithms import ALGORITHMS
+    from mfd_sglang.serving.algorithms import is_mfd
 
-    return str(get_spec().speculative_algorithm or "").upper() in ALGORITHMS
+    return is_mfd(get_spec().speculative_algorithm)
 
 
 def validate_request_around(original, req, *args, **kwargs):

@@ -19,7 +19,7 @@ import torch
 from conftest import target_greedy
 from mfd_sglang.checkpoint import load_drafter, save_drafter
 from mfd_sglang.serving import budget as budget_module
-from mfd_sglang.serving.budget import PLAIN, BudgetChooser, RoundClock, batch_bucket, candidate_budgets
+from mfd_sglang.serving.budget import PLAIN, Arm, BudgetChooser, RoundClock, batch_bucket, candidate_budgets
 from mfd_sglang.serving.options import read_options
 from references import TOP_K_ALL, reference_sample
 from servers import generate_ids, log_tail, served_without_leaks, start_server
@@ -187,37 +187,37 @@ def test_a_drafter_that_accepts_nothing_settles_on_plain_decoding():
 
 def test_the_calibrated_estimate_adds_the_overhead_the_timed_arms_show():
     chooser = BudgetChooser(16)
-    chooser.calibrate({(1, (False, 0)): 0.010, (1, (False, 16)): 0.030, (2, (False, 16)): 0.050})
-    assert chooser.estimate(1, (False, 16)) == pytest.approx(0.030)  # nothing timed yet: no overhead
-    assert chooser.estimate(1, (False, 8)) is None  # never calibrated
+    chooser.calibrate({(1, Arm(False, 0)): 0.010, (1, Arm(False, 16)): 0.030, (2, Arm(False, 16)): 0.050})
+    assert chooser.estimate(1, Arm(False, 16)) == pytest.approx(0.030)  # nothing timed yet: no overhead
+    assert chooser.estimate(1, Arm(False, 8)) is None  # never calibrated
     for _ in range(2):
-        chooser.record_round_time(1, (False, 0), 0.014)
-    assert chooser.estimate(1, (False, 16)) == pytest.approx(0.034)
-    assert chooser.estimate(2, (False, 16)) == pytest.approx(0.050)  # another bucket's overhead is its own
-    assert chooser.cost_floor(1, (False, 16)) == pytest.approx(chooser.ratio_slack * 0.034)
+        chooser.record_round_time(1, Arm(False, 0), 0.014)
+    assert chooser.estimate(1, Arm(False, 16)) == pytest.approx(0.034)
+    assert chooser.estimate(2, Arm(False, 16)) == pytest.approx(0.050)  # another bucket's overhead is its own
+    assert chooser.cost_floor(1, Arm(False, 16)) == pytest.approx(chooser.ratio_slack * 0.034)
 
 
 def test_acceptance_of_every_smaller_budget_is_kept_from_one_round():
     chooser = BudgetChooser(16, paths=(False, True))
-    assert chooser.measured_budgets((True, 8)) == [0, 4, 8]
-    chooser.record_acceptance((True, 8), [[1, 2, 3], [1, 1, 5]])
-    assert chooser.tokens((True, 8)) is None  # 2 request-rounds: too few to count (min_requests 8)
+    assert chooser.measured_budgets(Arm(True, 8)) == [0, 4, 8]
+    chooser.record_acceptance(Arm(True, 8), [[1, 2, 3], [1, 1, 5]])
+    assert chooser.tokens(Arm(True, 8)) is None  # 2 request-rounds: too few to count (min_requests 8)
     for _ in range(3):
-        chooser.record_acceptance((True, 8), [[1, 2, 3], [1, 1, 5]])
-    assert chooser.tokens((True, 4)) == pytest.approx(1.5) and chooser.tokens((True, 8)) == pytest.approx(4.0)
-    assert chooser.tokens((False, 4)) is None and chooser.tokens((True, 16)) is None
-    assert chooser.tokens((False, 0)) == 1.0
+        chooser.record_acceptance(Arm(True, 8), [[1, 2, 3], [1, 1, 5]])
+    assert chooser.tokens(Arm(True, 4)) == pytest.approx(1.5) and chooser.tokens(Arm(True, 8)) == pytest.approx(4.0)
+    assert chooser.tokens(Arm(False, 4)) is None and chooser.tokens(Arm(True, 16)) is None
+    assert chooser.tokens(Arm(False, 0)) == 1.0
 
 
 def test_round_clock_times_consecutive_decode_rounds_only(monkeypatch):
     now = iter([10.0, 10.25, 11.0, 12.0])  # perf_counter at each decode_round call
     monkeypatch.setattr(budget_module.time, "perf_counter", lambda: next(now))
     clock = RoundClock()
-    assert clock.decode_round(2, (False, 8)) is None
-    assert clock.decode_round(3, (False, 4)) == (2, (False, 8), 0.25)  # the first round's, at its batch size
+    assert clock.decode_round(2, Arm(False, 8)) is None
+    assert clock.decode_round(3, Arm(False, 4)) == (2, Arm(False, 8), 0.25)  # the first round's, at its batch size
     clock.other_forward()  # a prefill in between: the interval is not a round's
-    assert clock.decode_round(3, (False, 4)) is None
-    assert clock.decode_round(1, (True, 16)) == (3, (False, 4), 1.0)
+    assert clock.decode_round(3, Arm(False, 4)) is None
+    assert clock.decode_round(1, Arm(True, 16)) == (3, Arm(False, 4), 1.0)
 
 
 def test_the_option_is_checked():

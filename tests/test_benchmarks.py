@@ -102,6 +102,24 @@ def test_gpu_check_passes_with_structural_skips_only(tmp_path):
     assert failures(bad, sections)[0] == "tree: NOT RUN (12 s left before the call's deadline)"
 
 
+def test_a_gpu_check_row_records_its_error_and_keeps_what_it_measured():
+    """`measured_row`, every kernel row's pattern: a row that raises fails (ok False) with the exception as its
+    error, a measurement row (no verdict) gets the error only; what was recorded before the exception stays."""
+    from gpu_check import measured_row
+
+    def one_timing_then_boom(row):
+        row["torch_ms"] = 0.5
+        raise RuntimeError("triton exploded")
+
+    labels = {"bs": 2}
+    assert measured_row({"bs": 1}, lambda row: row.update(ok=True)) == {"bs": 1, "ok": True}
+    assert measured_row(labels, one_timing_then_boom) == \
+        {"bs": 2, "torch_ms": 0.5, "ok": False, "error": "RuntimeError: triton exploded"}
+    assert measured_row(labels, one_timing_then_boom, verdict=False) == \
+        {"bs": 2, "torch_ms": 0.5, "error": "RuntimeError: triton exploded"}
+    assert labels == {"bs": 2}  # every row starts from its own copy of the labels
+
+
 TIGHT = {"MFD": 2.0}
 
 

@@ -117,7 +117,7 @@ def test_commit_leaves_caches_equal_to_a_fresh_forward(tiny_pair, tiny_prompts, 
     sequence = ids + state.roots.tolist()
     for _ in range(4):
         tree = engine.build_tree(engine.draft(state))
-        result, out = engine.verify(state, tree, params)
+        result, out = engine.verify(state, tree)
         emitted = [t for t in result.accepted_tokens[0].tolist() if t >= 0]
         engine.commit(state, result, out, torch.tensor([len(emitted)]))
         state.roots = torch.tensor([emitted[-1]])

@@ -175,7 +175,7 @@ def test_verify_graph_plan_counts_what_sglangs_backends_allocate_for_a_window(ba
 def test_verify_graph_plan_at_launch_follows_the_servers_arguments(tiny_pair, monkeypatch):
     """From SGLang's resolved arguments and the target's ModelConfig: the candidate windows other than the
     launch one, the captured batch sizes up to --max-running-requests, the backends a verify runs on; none
-    without the automatic budget or without CUDA graphs; the launch plan reserves it."""
+    without CUDA graphs (without the automatic budget the launch plans none: the next test)."""
     from sglang.srt.arg_groups import overrides
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.cuda_graph_config import Backend
@@ -191,9 +191,6 @@ def test_verify_graph_plan_at_launch_follows_the_servers_arguments(tiny_pair, mo
             triton_attention_num_kv_splits=8, attention_backend="flashinfer", decode_attention_backend=None,
             prefill_attention_backend=None, tp_size=1), **overrides_})
 
-    monkeypatch.delenv("MFD_SGLANG_AUTO_BUDGET", raising=False)
-    assert verify_graph_plan(args(), 16) is None
-    monkeypatch.setenv("MFD_SGLANG_AUTO_BUDGET", "1")
     plan = verify_graph_plan(args(), 16)
     assert plan.widths == (1, 5, 9) and plan.capture_bs == (1, 2, 4, 8, 16, 24, 32, 48)
     assert plan.backends == ("flashinfer",) and plan.context_len == model.context_len

@@ -169,27 +169,30 @@ def add_gate(drafter: MFDDrafter, seed: int = 7, scale: float = 1.0) -> MFDDraft
     return drafter
 
 
-def test_the_serving_worker_drafts_the_reference_engines_weighted_tree(tiny_pair):
-    """The worker's draft stage (paged context, vocabulary-chunked candidates) of a gated drafter gives the
+def test_the_serving_draft_stage_drafts_the_reference_engines_weighted_tree(tiny_pair):
+    """The serving draft stage (paged context, vocabulary-chunked candidates) of a gated drafter gives the
     tree the reference engine builds from `block_logprobs` over the same context; the gate changes it."""
-    from test_serving import _draft_graph_worker
+    from test_serving import DRAFT_STAGE_BUDGET, _draft_stage
 
-    worker, table = _draft_graph_worker(tiny_pair, "cpu")
-    add_gate(worker.drafter)
+    from mfd_sglang.serving.budget import Arm
+
+    stage, table = _draft_stage(tiny_pair, "cpu")
+    budget = DRAFT_STAGE_BUDGET
+    add_gate(stage.drafter)
     gen = torch.Generator().manual_seed(3)
-    roots = torch.randint(0, worker.drafter.cfg.vocab_size, (4,), generator=gen)
+    roots = torch.randint(0, stage.drafter.cfg.vocab_size, (4,), generator=gen)
     lens = torch.randint(5, table.shape[1] - 20, (4,), generator=gen)
     requests_ = torch.arange(4)
-    tree, _ = worker.draft_paged_tree(roots, lens, requests_, key=(False, worker.budget))
-    context = worker.context_pool.gather(table[requests_].long(), lens)
-    full = worker.drafter.block_logprobs(roots, lens, context, worker.embed_weight, worker.head_weight)
-    want = build_mixture_tree(full, worker.budget)
+    tree, _ = stage.paged_tree(roots, lens, requests_, key=Arm(False, budget))
+    context = stage.context_pool.gather(table[requests_].long(), lens)
+    full = stage.drafter.block_logprobs(roots, lens, context, stage.embed_weight, stage.head_weight)
+    want = build_mixture_tree(full, budget)
     for name in ("tokens", "parents", "depths", "modes", "valid"):
         assert torch.equal(getattr(tree, name), getattr(want, name)), name
     torch.testing.assert_close(tree.scores, want.scores, rtol=0, atol=1e-4)
-    unweighted = worker.drafter.without_mode_gate().block_logprobs(roots, lens, context, worker.embed_weight,
-                                                             worker.head_weight)
-    assert not torch.equal(build_mixture_tree(unweighted, worker.budget).tokens, tree.tokens)
+    unweighted = stage.drafter.without_mode_gate().block_logprobs(roots, lens, context, stage.embed_weight,
+                                                                  stage.head_weight)
+    assert not torch.equal(build_mixture_tree(unweighted, budget).tokens, tree.tokens)
 
 
 @pytest.fixture(scope="module")

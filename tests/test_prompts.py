@@ -53,8 +53,8 @@ def test_split_is_disjoint_complete_and_about_a_fifth(name):
 def test_split_is_stable_across_calls_and_reloads():
     before = {name: [(p.id, p.split) for p in P.load_prompts(name)] for name in P.SETS}
     assert P.load_prompts("math") is not P.load_prompts("math")  # fresh lists over one cached tuple
-    assert P._load_set("math") is P._load_set("math")
-    P._load_set.cache_clear()
+    assert P.load_set("math") is P.load_set("math")
+    P.load_set.cache_clear()
     after = {name: [(p.id, p.split) for p in P.load_prompts(name)] for name in P.SETS}
     assert before == after
     # Pinned: changing the hash (or its salt) would silently move prompts between train and held-out.

@@ -1,7 +1,7 @@
 """The round-cost benchmark's static target and round are exact: tree verify equals sequential
 decoding, and speculative rounds (eager, over the same static buffers the CUDA graphs use) emit the
 target's own greedy tokens. The commit stage is the SGLang worker's own (`commit_round`, used by
-`MFDWorkerV2.commit` and `SpecRound.commit`), held here to an explicit per-request loop."""
+`MFDWorkerV2.commit_verified` and `SpecRound.commit`), held here to an explicit per-request loop."""
 
 from __future__ import annotations
 

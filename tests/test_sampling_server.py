@@ -134,7 +134,7 @@ def test_unseeded_requests_in_one_batch_draw_apart(mfd_server, hf_target):
 def test_request_sampling_seeds():
     """Per-request seeds in a stand-in batch: sampling_seed where given, fresh random ones elsewhere
     (each round), SGLang's own under deterministic inference; a seeded batch drops the top-k bound."""
-    from mfd_sglang.serving.worker import request_sampling
+    from mfd_sglang.serving.accept import request_sampling
 
     def batch(seeds: list, top_ks: list[int], sglang_seeds=None):
         info = SimpleNamespace(temperatures=torch.ones(len(seeds), 1), top_ks=torch.tensor(top_ks),

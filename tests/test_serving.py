@@ -16,7 +16,7 @@ import torch
 
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.drafter import MFDDrafter
-from mfd_sglang.serving.draft_context_pool import DeferredContextWrites, DraftContextPool
+from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.serving.options import budget_from_num_draft_tokens, default_num_draft_tokens, read_options
 from mfd_sglang.patches.request_checks import unsupported_request_features
 
@@ -60,7 +60,7 @@ def _server_args(tiny_pair, **changes):
     ({"speculative_draft_model_path": None}, "needs --speculative-draft-model-path DIR"),
 ])
 def test_validate_server_args(tiny_pair, changes, message):
-    from mfd_sglang.serving.algorithms import validate_server_args
+    from mfd_sglang.serving.launch import validate_server_args
 
     args = _server_args(tiny_pair, **changes)
     if message is None:
@@ -71,7 +71,7 @@ def test_validate_server_args(tiny_pair, changes, message):
 
 
 def test_validate_server_args_rejects_more_modes_than_the_drafter_has(tiny_pair, monkeypatch):
-    from mfd_sglang.serving.algorithms import validate_server_args
+    from mfd_sglang.serving.launch import validate_server_args
 
     monkeypatch.setenv("MFD_SGLANG_NUM_MODES", "9")
     with pytest.raises(ValueError, match="has 4 mode"):
@@ -79,7 +79,7 @@ def test_validate_server_args_rejects_more_modes_than_the_drafter_has(tiny_pair,
 
 
 def test_validate_server_args_refuses_the_automatic_budget_under_tensor_parallelism(tiny_pair, monkeypatch):
-    from mfd_sglang.serving.algorithms import validate_server_args
+    from mfd_sglang.serving.launch import validate_server_args
 
     monkeypatch.setenv("MFD_SGLANG_AUTO_BUDGET", "1")
     validate_server_args(_server_args(tiny_pair))
@@ -89,7 +89,7 @@ def test_validate_server_args_refuses_the_automatic_budget_under_tensor_parallel
 
 def test_last_target_layer_is_rejected(tiny_pair, tmp_path):
     from mfd_sglang.checkpoint import CheckpointError
-    from mfd_sglang.serving.algorithms import check_capturable_layers
+    from mfd_sglang.serving.launch import check_capturable_layers
 
     ckpt = load_drafter(tiny_pair / "drafter")
     check_capturable_layers(ckpt, tiny_pair / "target")
@@ -147,15 +147,16 @@ def test_context_pool_gathers_what_the_drafter_computes(tiny_pair):
 
 @torch.no_grad()
 def test_deferred_context_writes_land_as_direct_writes_would(tiny_pair):
-    """Plain-decoding rounds' context held by DeferredContextWrites ends up in the pool as the same
-    writes made at once. Nothing reaches the pool before a flush; a change of requests writes what is
-    held first (request "b" leaves, its slot 4 goes to a new request "c": b's row lands before c's);
-    a full buffer is written before it takes more; a round larger than the buffer is written at once."""
+    """Plain-decoding rounds' context held by the pool's deferred writes (`deferred_for`) ends up in the
+    pool as the same writes made at once. Nothing reaches the pool before a flush; a change of requests
+    writes what is held first (request "b" leaves, its slot 4 goes to a new request "c": b's row lands
+    before c's); a full buffer is written before it takes more; a round larger than the buffer is written
+    at once; the pool's own reads and direct writes write what is held first."""
     torch.manual_seed(0)
     drafter = MFDDrafter.from_checkpoint(load_drafter(tiny_pair / "drafter"), dtype=torch.float32)
     features = drafter.fc.in_features
-    direct, pool = (DraftContextPool(drafter, 32, device="cpu", dtype=torch.float32) for _ in range(2))
-    deferred = DeferredContextWrites(pool, drafter, capacity=6, device="cpu", dtype=torch.float32)
+    direct = DraftContextPool(drafter, 32, device="cpu", dtype=torch.float32)
+    pool = DraftContextPool(drafter, 32, device="cpu", dtype=torch.float32, deferred_rows=6)
 
     def snapshot(p):
         return [t.clone() for t in p.keys + p.values]
@@ -176,7 +177,7 @@ def test_deferred_context_writes_land_as_direct_writes_would(tiny_pair):
         hidden = torch.randn(len(slots), features)
         slots, positions = torch.tensor(slots), torch.tensor(positions)
         direct.write(drafter, hidden, positions, slots)
-        deferred.hold_for(requests)
+        deferred = pool.deferred_for(requests)
         deferred.write(drafter, hidden, positions, slots)
         if len(slots) > deferred.capacity:
             assert same(snapshot(pool), snapshot(direct))  # too many to hold: written at once
@@ -184,10 +185,15 @@ def test_deferred_context_writes_land_as_direct_writes_would(tiny_pair):
             assert same(snapshot(pool), before) and not same(before, empty)
         else:
             assert not same(snapshot(pool), snapshot(direct))  # held
-    deferred.write(drafter, torch.randn(1, features), torch.tensor([5]), torch.tensor([19]))
-    direct.write(drafter, deferred.hidden[:1].clone(), torch.tensor([5]), torch.tensor([19]))
-    deferred.flush()
-    assert deferred.count == 0 and same(snapshot(pool), snapshot(direct))
+    for read_or_write in (lambda: pool.gather(torch.tensor([[19]]), torch.tensor([1])),
+                          lambda: pool.paged(torch.tensor([[19]]), torch.tensor([0]), torch.tensor([1]), "torch"),
+                          lambda: pool.write(drafter, torch.zeros(1, features), torch.tensor([0]), torch.tensor([31]))):
+        pool.deferred_for(("a", "c")).write(drafter, torch.randn(1, features), torch.tensor([5]), torch.tensor([19]))
+        direct.write(drafter, pool.deferred.hidden[:1].clone(), torch.tensor([5]), torch.tensor([19]))
+        below_31 = lambda p: [t[:31] for t in snapshot(p)]  # noqa: E731 (slot 31: the direct write's own)
+        assert not same(below_31(pool), below_31(direct))  # held
+        read_or_write()
+        assert pool.deferred.count == 0 and same(below_31(pool), below_31(direct))
 
 
 @pytest.mark.parametrize("device, given, flashinfer, expected", [
@@ -204,7 +210,7 @@ def test_attention_backend_is_one_that_applies_the_tree_mask(device, given, flas
                                                               monkeypatch):
     import importlib.util
 
-    from mfd_sglang.serving.algorithms import resolve_attention_backend
+    from mfd_sglang.serving.launch import resolve_attention_backend
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
@@ -225,7 +231,7 @@ def test_attention_backend_is_one_that_applies_the_tree_mask(device, given, flas
 
 @pytest.mark.parametrize("given", [{}, {"attention_backend": "torch_native"}])
 def test_cpu_refuses_attention_backends_without_a_tree_mask(given):
-    from mfd_sglang.serving.algorithms import resolve_attention_backend
+    from mfd_sglang.serving.launch import resolve_attention_backend
 
     args = SimpleNamespace(device="cpu", attention_backend=None, prefill_attention_backend=None,
                            decode_attention_backend=None)
@@ -252,7 +258,7 @@ def test_instantiated_attention_backend_is_checked():
     from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
     from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
 
-    from mfd_sglang.serving.algorithms import check_tree_verify_attention
+    from mfd_sglang.serving.target_checks import check_tree_verify_attention
 
     tree_mask, no_tree_mask = _attention_backends()
     for cls in tree_mask:
@@ -322,10 +328,11 @@ def test_verify_graphs_are_captured_with_the_tree_mask(backend):
     from sglang.srt.speculative.eagle_info import EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    from mfd_sglang.plugin import mfd_worker_class
     from mfd_sglang.serving.algorithms import register_algorithms
     from mfd_sglang.serving.verify_graph import MFDVerifyCudaGraphRunner
 
-    register_algorithms()
+    register_algorithms(mfd_worker_class)
     attn_backend = object.__new__(next(c for c in _attention_backends()[0] if c.__name__ == backend))
 
     def capture_input(cls):
@@ -355,10 +362,11 @@ import torch
 from types import SimpleNamespace
 from sglang.srt.runtime_context import get_spec, publish
 from sglang.srt.server_args import ServerArgs
+from mfd_sglang.plugin import mfd_worker_class
 from mfd_sglang.serving.algorithms import register_algorithms
 from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth, capture_verify_width
 
-register_algorithms()
+register_algorithms(mfd_worker_class)
 pair = sys.argv[1]
 publish(ServerArgs(model_path=pair + "/target", speculative_algorithm="MFD", speculative_draft_model_path=pair + "/drafter",
                    speculative_num_draft_tokens=9, device="cpu", attention_backend="triton", skip_tokenizer_init=True),
@@ -435,51 +443,52 @@ def test_verify_graphs_by_width_capture_each_width_and_activate_it(tiny_pair):
                                  "a 1-token window") and "MFD_SGLANG_AUTO_BUDGET unset" in out["oom"]
 
 
-def _draft_graph_worker(tiny_pair, device: str):
-    """An MFDWorkerV2 with only what its draft + tree stage reads (no SGLang model runner)."""
-    from mfd_sglang.serving.worker import MFDWorkerV2
+DRAFT_STAGE_BUDGET = 12
+
+
+def _draft_stage(tiny_pair, device: str):
+    """A DraftStage over the tiny drafter with random borrowed weights and a filled context pool, its
+    requests' rows of req_to_token a random table (no SGLang model runner)."""
+    from mfd_sglang.serving.draft_stage import DraftStage
 
     drafter = MFDDrafter.from_checkpoint(load_drafter(tiny_pair / "drafter"), dtype=torch.float32).to(device)
     gen = torch.Generator().manual_seed(0)
     num_slots, max_len, vocab = 200, 40, drafter.cfg.vocab_size
-    worker = object.__new__(MFDWorkerV2)
-    worker.drafter, worker.budget, worker.switch_threshold = drafter, 12, 3
-    on_cuda = device.startswith("cuda")
-    worker.tree_backend = worker.mode_attention_backend = "triton" if on_cuda else "torch"
-    worker.embed_weight = torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device)
-    worker.head_weight = torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device)
-    worker.context_pool = DraftContextPool(drafter, num_slots, device=device, dtype=torch.float32)
-    worker.context_pool.write(drafter, torch.randn(num_slots, drafter.fc.in_features, generator=gen).to(device),
-                              torch.arange(num_slots).to(device) % max_len, torch.arange(num_slots).to(device))
     table = torch.stack([torch.randperm(num_slots, generator=gen)[:max_len] for _ in range(6)]).to(device)
-    worker.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=table.to(torch.int32)))
-    return worker, table
+    stage = DraftStage(drafter, torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device),
+                       torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device), device=device)
+    stage.init_context_pool(num_slots, SimpleNamespace(req_to_token=table.to(torch.int32)), device=device,
+                            dtype=torch.float32)
+    stage.write_context(torch.randn(num_slots, drafter.fc.in_features, generator=gen).to(device),
+                        torch.arange(num_slots).to(device) % max_len, torch.arange(num_slots).to(device))
+    return stage, table
 
 
 def check_draft_graphs_match_eager(tiny_pair, device: str, use_graph: bool):
-    """The worker's draft + tree + layout, replayed at padded batch sizes (rows of other requests, or
+    """The draft stage's draft + tree + layout, replayed at padded batch sizes (rows of other requests, or
     pad rows with an empty context, beside it), gives each request the tree and verify layout it gets
     when drafted alone, for each arm (drafting path, budget: the launch budget and a smaller one, as
     the automatic budget captures them)."""
     from mfd_sglang.cuda_graph import BatchGraphs
+    from mfd_sglang.serving.budget import Arm
 
-    worker, table = _draft_graph_worker(tiny_pair, device)
-    graphs = BatchGraphs(worker.draft_paged_tree,
+    stage, table = _draft_stage(tiny_pair, device)
+    graphs = BatchGraphs(stage.paged_tree,
                          lambda bs: [torch.zeros(bs, dtype=torch.int64, device=device) for _ in range(3)],
                          [1, 2, 4, 6], use_graph=use_graph)
     gen = torch.Generator().manual_seed(3)
-    small = min(4, worker.budget - 1)
-    for bs, arm in [(3, (False, worker.budget)), (1, (True, worker.budget)), (5, (False, small)),
-                    (2, (True, small)), (6, (False, worker.budget))]:
+    budget = DRAFT_STAGE_BUDGET
+    small = min(4, budget - 1)
+    for bs, arm in [(3, Arm(False, budget)), (1, Arm(True, budget)), (5, Arm(False, small)),
+                    (2, Arm(True, small)), (6, Arm(False, budget))]:
         requests_ = torch.randperm(table.shape[0], generator=gen)[:bs].to(device)
-        roots = torch.randint(0, worker.drafter.cfg.vocab_size, (bs,), generator=gen).to(device)
+        roots = torch.randint(0, stage.drafter.cfg.vocab_size, (bs,), generator=gen).to(device)
         lens = torch.randint(1, table.shape[1] - 20, (bs,), generator=gen).to(device)
         tree, layout = graphs(roots, lens, requests_, key=arm)
-        num_nodes = arm[1] + 1
+        num_nodes = arm.budget + 1
         assert torch.equal(layout.retrive_index.flatten().cpu(), torch.arange(bs * num_nodes))
         for b in range(bs):
-            alone, alone_layout = worker.draft_paged_tree(roots[b:b + 1], lens[b:b + 1], requests_[b:b + 1],
-                                                          key=arm)
+            alone, alone_layout = stage.paged_tree(roots[b:b + 1], lens[b:b + 1], requests_[b:b + 1], key=arm)
             torch.testing.assert_close(tree.scores[b:b + 1], alone.scores, rtol=1e-4, atol=1e-4)
             assert torch.equal(tree.tokens[b:b + 1], alone.tokens) and torch.equal(tree.parents[b:b + 1], alone.parents)
             for name in ("draft_token", "positions", "retrive_next_token", "retrive_next_sibling", "ancestor_mask"):

@@ -154,7 +154,7 @@ def test_demo_reads_the_automatic_budgets_choice_from_the_log(caplog):
     import logging
 
     from mfd_sglang.demo import auto_budget_choice
-    from mfd_sglang.serving.budget import BudgetChooser, describe
+    from mfd_sglang.serving.budget import PLAIN, BudgetChooser, describe
 
     chooser = BudgetChooser(8)
     with caplog.at_level(logging.INFO, logger="mfd_sglang.serving.budget"):
@@ -162,5 +162,5 @@ def test_demo_reads_the_automatic_budgets_choice_from_the_log(caplog):
         for _ in range(20):  # plain decoding is cheaper and a tree of any size accepts nothing here
             arm = chooser.choose(1)
             chooser.record_acceptance(arm, [[1] * len(chooser.measured_budgets(arm))])
-            chooser.record_round_time(1, arm, 0.01 + 0.001 * arm[1])
-    assert auto_budget_choice(caplog.text) == describe((False, 0)) == "plain decoding (budget 0)"
+            chooser.record_round_time(1, arm, 0.01 + 0.001 * arm.budget)
+    assert auto_budget_choice(caplog.text) == describe(PLAIN) == "plain decoding (budget 0)"

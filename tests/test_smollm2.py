@@ -83,15 +83,15 @@ def test_cli_prints_the_path_last_and_reuses(converted, capsys):
 
 def test_mismatched_manifest_or_missing_files_are_not_reused(converted, tmp_path):
     result, _ = converted
-    expected = {k: result.manifest[k] for k in smollm2._expected_manifest("", "", "")}
-    assert smollm2._reusable(result.path, expected) is not None
-    assert smollm2._reusable(result.path, {**expected, "dtype": "float32"}) is None
-    assert smollm2._reusable(result.path, {**expected, "gguf_sha256": "0" * 64}) is None
-    assert smollm2._reusable(result.path, {**expected, "source_version": "0.1.1"}) is None
+    expected = {k: result.manifest[k] for k in smollm2.expected_manifest("", "", "")}
+    assert smollm2.reusable_manifest(result.path, expected) is not None
+    assert smollm2.reusable_manifest(result.path, {**expected, "dtype": "float32"}) is None
+    assert smollm2.reusable_manifest(result.path, {**expected, "gguf_sha256": "0" * 64}) is None
+    assert smollm2.reusable_manifest(result.path, {**expected, "source_version": "0.1.1"}) is None
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / smollm2.MANIFEST).write_text(json.dumps(result.manifest))
-    assert smollm2._reusable(partial, expected) is None  # manifest alone, no weights
+    assert smollm2.reusable_manifest(partial, expected) is None  # manifest alone, no weights
 
 
 def test_default_folder_follows_mfd_sglang_cache(monkeypatch, tmp_path):

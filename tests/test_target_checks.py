@@ -60,7 +60,7 @@ def test_qwen3_5_gated_deltanet_hybrids_pass_the_launch_check(tmp_path):
 
 
 def test_validate_server_args_refuses_a_hybrid_target_before_anything_else(tiny_pair, tmp_path):
-    from mfd_sglang.serving.algorithms import validate_server_args
+    from mfd_sglang.serving.launch import validate_server_args
 
     target = _write_config(tmp_path / "target", "qwen3_next", "Qwen3NextForCausalLM", num_hidden_layers=4)
     args = SimpleNamespace(speculative_algorithm="MFD", model_path=str(target), trust_remote_code=False,
@@ -131,7 +131,7 @@ def test_worker_start_check_refuses_triton_split_kv_verify(tiny_pair):
 
 
 def test_launch_turns_split_kv_verify_off(tiny_pair):
-    from mfd_sglang.serving.algorithms import resolve_server_args
+    from mfd_sglang.serving.launch import resolve_server_args
 
     args = SimpleNamespace(speculative_num_draft_tokens=9, device="cpu", max_running_requests=None,
                            attention_backend="mfd_cpu", prefill_attention_backend=None,

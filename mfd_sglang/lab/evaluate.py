@@ -85,30 +85,60 @@ class RoundOutcome:
 
 
 @dataclass
-class MethodStats:
-    tokens: int = 0
+class RoundTally:
+    """A method's rounds added up: the numbers every acceptance evaluation (this one, make-multimodal's)
+    reports of them."""
+
+    tokens: int = 0  # emitted: accepted draft tokens + the bonus
     rounds: int = 0
     valid_nodes: int = 0
     chimeras: int = 0
-    covered_mass: float = 0.0
-    accepted_modes: Counter = field(default_factory=Counter)
+    accepted_modes: Counter = field(default_factory=Counter)  # best mode of each accepted node: count
 
-    def add(self, outcome: RoundOutcome) -> None:
-        self.tokens += outcome.emitted
+    def add_round(self, emitted: int, valid_nodes: int, chimeras: int, accepted_modes: list[int]) -> None:
+        self.tokens += emitted
         self.rounds += 1
-        self.valid_nodes += outcome.valid_nodes
-        self.chimeras += outcome.chimeras
-        self.covered_mass += outcome.covered_mass
-        self.accepted_modes.update(outcome.accepted_modes)
+        self.valid_nodes += valid_nodes
+        self.chimeras += chimeras
+        self.accepted_modes.update(accepted_modes)
 
-    def summary(self) -> dict:
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens per round; None without rounds."""
+        return self.tokens / self.rounds if self.rounds else None
+
+    def per_round(self, total: float) -> float:
+        """total / rounds (total itself without rounds)."""
+        return total / max(self.rounds, 1)
+
+    @property
+    def chimera_share(self) -> float | None:
+        """Chimeras / valid nodes; None without valid nodes."""
+        return self.chimeras / self.valid_nodes if self.valid_nodes else None
+
+    @property
+    def effective_modes(self) -> float:
+        """exp(entropy) of the accepted nodes' best modes: K when K modes share the work equally, 1 when one
+        mode does it all (or nothing was accepted)."""
         usage = sum(self.accepted_modes.values())
         entropy = -sum(c / usage * math.log(c / usage) for c in self.accepted_modes.values()) if usage else 0.0
+        return math.exp(entropy)
+
+
+@dataclass
+class MethodStats(RoundTally):
+    covered_mass: float = 0.0
+
+    def add(self, outcome: RoundOutcome) -> None:
+        self.add_round(outcome.emitted, outcome.valid_nodes, outcome.chimeras, outcome.accepted_modes)
+        self.covered_mass += outcome.covered_mass
+
+    def summary(self) -> dict:
         return {
-            "tau": self.tokens / max(self.rounds, 1),
-            "covered_mass": self.covered_mass / max(self.rounds, 1),
-            "chimera_share": self.chimeras / self.valid_nodes if self.valid_nodes else None,
-            "effective_modes": math.exp(entropy),
+            "tau": self.per_round(self.tokens),  # 0.0 without rounds: the table formats a number
+            "covered_mass": self.per_round(self.covered_mass),
+            "chimera_share": self.chimera_share,
+            "effective_modes": self.effective_modes,
             "rounds": self.rounds,
         }
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import random
 import time
 from collections import defaultdict
@@ -66,7 +65,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from ..checkpoint import load_drafter, parse_drafter_config, save_drafter
 from ..drafter import MFDDrafter, context_features
-from .evaluate import chimera_count, node_paths
+from .evaluate import RoundTally, chimera_count, node_paths
 from ..hf import SamplingParams, SpeculativeGenerator, load_target
 from .tiny import SPECIAL_TOKENS, word_level_tokenizer
 from .train import TrainConfig, cosine_lr, new_drafter_config, optimizer_step, train
@@ -333,12 +332,8 @@ DRAFT_DEPTH = BLOCK_SIZE - 1
 
 
 @dataclass
-class Cell:
+class Cell(RoundTally):
     """One method at one budget on one prompt set, temperature and kind of round."""
-    tokens: int = 0
-    rounds: int = 0
-    valid_nodes: int = 0
-    chimeras: int = 0
     mass: float = 0.0  # exact expected accepted draft tokens of the trees, summed over rounds (T = 1)
     ceiling_mass: float = 0.0  # the same for the best tree of the same budget at the same contexts
     oracle_tokens: int = 0  # the best tree's realised run on the same output
@@ -350,27 +345,22 @@ class Cell:
     off_universe: int = 0  # rounds whose context the universe cannot produce (a target error before)
     multimodal_rounds: int = 0  # rounds whose drafted block can hold more than one continuation (a fork in it)
     marker_rounds: int = 0  # rounds whose root is a marker: the fork is the block's first token
-    accepted_modes: dict = None
 
     def summary(self) -> dict:
-        modes = self.accepted_modes or {}
-        total = sum(modes.values())
-        entropy = -sum(c / total * math.log(c / total) for c in modes.values()) if total else 0.0
-        rounds = max(self.rounds, 1)
         return {
-            "tau": self.tokens / self.rounds if self.rounds else None,
+            "tau": self.tau,
             "rounds": self.rounds,
-            "chimera_share": self.chimeras / self.valid_nodes if self.valid_nodes else None,
-            "expected_accepted": self.mass / rounds,
-            "ceiling_expected_accepted": self.ceiling_mass / rounds,
+            "chimera_share": self.chimera_share,
+            "expected_accepted": self.per_round(self.mass),
+            "ceiling_expected_accepted": self.per_round(self.ceiling_mass),
             "ceiling_tau": self.oracle_tokens / self.oracle_rounds if self.oracle_rounds else None,
             "blind_ceiling_tau": self.blind_tokens / self.blind_rounds if self.blind_rounds else None,
             "bound_checks": self.bound_checks,
             "bound_violations": self.bound_violations,
             "off_universe_rounds": self.off_universe,
-            "multimodal_round_share": self.multimodal_rounds / rounds,
-            "marker_root_share": self.marker_rounds / rounds,
-            "effective_modes": math.exp(entropy),
+            "multimodal_round_share": self.per_round(self.multimodal_rounds),
+            "marker_root_share": self.per_round(self.marker_rounds),
+            "effective_modes": self.effective_modes,
         }
 
 
@@ -439,7 +429,7 @@ def run_cell(engine, universe: Universe, prompts: list[list[int]], max_new: int,
 
     params = SamplingParams(temperature=temperature, seed=seed)
     outs = engine.generate_batch(prompts, max_new, params=params, on_round=on_round)
-    cell = Cell(accepted_modes={})
+    cell = Cell()
     for row, (prompt, out) in enumerate(zip(prompts, outs)):
         seq = list(prompt) + out.token_ids
         off = universe.first_off_universe(seq)
@@ -451,15 +441,11 @@ def run_cell(engine, universe: Universe, prompts: list[list[int]], max_new: int,
                 continue
             ctx, actual = seq[: length + 1], seq[length + 1: length + 1 + DRAFT_DEPTH]
             paths = [tuple(t for t in p if t >= 0) for p, v in zip(r["paths"].tolist(), r["valid"].tolist()) if v]
-            cell.tokens += stats.emitted
-            cell.rounds += 1
-            cell.valid_nodes += len(paths)
-            for m in r["modes"]:
-                cell.accepted_modes[m] = cell.accepted_modes.get(m, 0) + 1
             support = list(universe.continuations(ctx, DRAFT_DEPTH, blind=True))
+            chimeras = chimera_count(r["paths"], r["valid"], torch.tensor(support), actual)
+            cell.add_round(stats.emitted, len(paths), chimeras, r["modes"])
             cell.multimodal_rounds += len(support) > 1
             cell.marker_rounds += universe.phase(length) == 0
-            cell.chimeras += chimera_count(r["paths"], r["valid"], torch.tensor(support), actual)
             if temperature > 0:
                 masses = prefix_masses(universe.continuations(ctx, DRAFT_DEPTH))
                 cell.mass += covered_mass(masses, paths)

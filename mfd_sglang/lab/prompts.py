@@ -106,7 +106,7 @@ def load_prompts(set_name: str, split: str | None = None, limit: int | None = No
         raise ValueError(f"unknown prompt set {set_name!r}; choose from {SETS}")
     if split is not None and split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {SPLITS}")
-    prompts = [p for p in _load_set(set_name) if split is None or p.split == split]
+    prompts = [p for p in load_set(set_name) if split is None or p.split == split]
     return prompts if limit is None else prompts[:max(limit, 0)]
 
 
@@ -118,7 +118,8 @@ def require_train(prompts) -> None:
 
 
 @functools.cache
-def _load_set(set_name: str) -> tuple[Prompt, ...]:
+def load_set(set_name: str) -> tuple[Prompt, ...]:
+    """Every prompt of one set (both splits), read once and checked against its provenance's count."""
     prompts = {"code": _load_code, "chat": _load_chat, "math": _load_math}[set_name]()
     expected = PROVENANCE[set_name].count
     if len(prompts) != expected:

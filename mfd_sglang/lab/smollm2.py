@@ -105,7 +105,8 @@ def _read_manifest(outdir: Path) -> dict | None:
         return None
 
 
-def _expected_manifest(version: str, sha: str, dtype: str) -> dict:
+def expected_manifest(version: str, sha: str, dtype: str) -> dict:
+    """The manifest fields a converted target must match to be reused."""
     return {
         "format_version": FORMAT_VERSION,
         "source_package": SOURCE_PACKAGE,
@@ -116,7 +117,8 @@ def _expected_manifest(version: str, sha: str, dtype: str) -> dict:
     }
 
 
-def _reusable(outdir: Path, expected: dict) -> dict | None:
+def reusable_manifest(outdir: Path, expected: dict) -> dict | None:
+    """outdir's manifest when it matches `expected` and every required file is there, else None."""
     manifest = _read_manifest(outdir)
     if manifest is None or any(manifest.get(k) != v for k, v in expected.items()):
         return None
@@ -141,9 +143,9 @@ def prepare_target(outdir: str | Path | None = None, *, dtype: str = "bfloat16",
         gguf_path, version = find_gguf()
         bar.update(1)
         bar.set_postfix_str(steps[1])
-        expected = _expected_manifest(version, sha256_file(gguf_path), dtype)
+        expected = expected_manifest(version, sha256_file(gguf_path), dtype)
         bar.update(1)
-        if not force and (manifest := _reusable(outdir, expected)) is not None:
+        if not force and (manifest := reusable_manifest(outdir, expected)) is not None:
             bar.set_postfix_str("cached")
             bar.update(bar.total - bar.n)
             return PreparedTarget(outdir, False, manifest)

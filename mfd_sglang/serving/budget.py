@@ -19,27 +19,13 @@ Before an arm is timed at a bucket, its cost is estimated from the start-up cali
 (`calibration`: its draft + verify on placeholder requests) plus the bucket's overhead, the mean
 amount by which the arms timed there cost more than calibrated (0 until one is timed).
 
-Choice, per round: the arm with the most tokens per request per second, tokens(path, b) /
-seconds(bucket, arm), optimistic where a value is missing:
-  - acceptance of a path measured on fewer than `min_requests` request-rounds: play that path's largest
-    budget (one round measures every budget of the path);
-  - cost of an arm never timed at this bucket: bounded below by the dearest timed arm of the same
-    path and a smaller budget (a bigger tree costs no less), by plain decoding's, by plain decoding's
-    times the arm's cost over plain decoding's at the nearest smaller bucket where both are timed, and
-    by the calibrated estimate, the last two less `ratio_slack` for noise (a bigger batch does not make
-    a tree relatively cheaper: the verify window grows with it while plain decoding's one token does
-    not); the arm is played when that bound could beat the best timed arm, so only arms that might win
-    are explored, a new bucket does not replay the dear arms the smaller ones already ruled out, and
-    with a calibration its first rounds play the arm calibrated best instead of timing each in turn;
-  - a probe round plays a neighbour of the chosen arm once, the neighbours in turn (`probes`: the next
-    larger budget of its path, or after plain decoding the smallest drafted budget of each path, and
-    MFD_D's other path at the same budget), so that acceptance and cost around the choice stay current
-    as requests and lengths change (a path's acceptance is measured only by its own rounds):
-    `probe_every` rounds after the choice changed, then at twice the last interval
-    (up to `max_probe_interval`) while it holds, so a settled choice pays little for its probes; a
-    probe arm measured (or, untimed, bounded) at under `probe_floor` of the choice's value is not played
-    (its acceptance would have to grow by that factor to matter).
-The choice is host-side Python over a few dozen numbers; it is logged when it changes.
+Choice, per round (`BudgetChooser.choose`, each rule in its own method with its reason): the arm with
+the most tokens per request per second, tokens(path, b) / seconds(bucket, arm), optimistic where a value
+is missing: a path whose acceptance is unmeasured plays its largest tree (`unmeasured_path`); an arm
+never timed at the bucket is bounded below (`cost_floor`) and played when its bound could win
+(`most_promising`); the choice changes only past a margin (`keep_current`); a settled choice is probed
+now and then (`probe`). The choice is host-side Python over a few dozen numbers; it is logged when it
+changes.
 """
 
 from __future__ import annotations
@@ -47,11 +33,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
-Arm = tuple[bool, int]  # (single-mode path, budget)
-PLAIN: Arm = (False, 0)  # plain decoding: no draft, the root alone
+
+class Arm(NamedTuple):
+    """What a round drafts: its path and its tree budget (equal to the plain tuple `(single_mode, budget)`)."""
+
+    single_mode: bool  # MFD_D's single-mode draft; False: the K-mode draft
+    budget: int  # tree nodes; 0: plain decoding (no draft, the root alone)
+
+
+PLAIN = Arm(False, 0)
 
 
 def candidate_budgets(max_budget: int) -> tuple[int, ...]:
@@ -103,7 +97,7 @@ class BudgetChooser:
     cost_decay: float = 0.8  # per timed round
     ratio_slack: float = 0.9  # a cost ratio from a smaller bucket bounds this one's after this discount
     budgets: tuple[int, ...] = field(init=False)
-    acceptance: dict[tuple[bool, int], DecayedMean] = field(init=False)
+    acceptance: dict[Arm, DecayedMean] = field(init=False)
     costs: dict[tuple[int, Arm], DecayedMean] = field(init=False)
     calibrated: dict[int, dict[Arm, float]] = field(init=False)  # bucket: arm: start-up seconds (`calibration`)
     rounds: dict[int, int] = field(init=False)
@@ -120,15 +114,14 @@ class BudgetChooser:
 
     @property
     def arms(self) -> list[Arm]:
-        return [PLAIN] + [(path, b) for path in self.paths for b in self.budgets[1:]]
+        return [PLAIN] + [Arm(path, b) for path in self.paths for b in self.budgets[1:]]
 
     # --- measurements ------------------------------------------------------------------------
     def record_acceptance(self, arm: Arm, committed: list[list[int]]) -> None:
         """committed[r][i]: tokens request r committed, or would have had its tree held only
         budgets[i] nodes, for every budget <= arm's (`sub_budget_accept_lens` at `measured_budgets`)."""
-        path, _ = arm
         for i, b in enumerate(self.measured_budgets(arm)):
-            key = PLAIN if b == 0 else (path, b)
+            key = PLAIN if b == 0 else Arm(arm.single_mode, b)
             mean = self.acceptance.setdefault(key, DecayedMean(self.acceptance_decay))
             mean.update(float(sum(row[i] for row in committed)), len(committed))
 
@@ -143,11 +136,11 @@ class BudgetChooser:
 
     def measured_budgets(self, arm: Arm) -> list[int]:
         """The budgets a round at arm measures the acceptance of (all <= its budget)."""
-        return [b for b in self.budgets if b <= arm[1]]
+        return [b for b in self.budgets if b <= arm.budget]
 
-    # --- the choice --------------------------------------------------------------------------
+    # --- values ------------------------------------------------------------------------------
     def tokens(self, arm: Arm) -> float | None:
-        if arm[1] == 0:
+        if arm.budget == 0:
             return 1.0  # plain decoding commits one token per round, always
         mean = self.acceptance.get(arm)
         return None if mean is None or mean.samples < self.min_requests else mean.value
@@ -167,11 +160,14 @@ class BudgetChooser:
         return max(calibrated + (sum(overheads) / len(overheads) if overheads else 0.0), 0.0)
 
     def cost_floor(self, bucket: int, arm: Arm) -> float:
-        """A lower bound of an untimed arm's cost: the dearest timed arm of its path below it, plain
-        decoding, plain decoding's times the arm's relative cost at a smaller bucket, or the calibrated
-        estimate; 0 when there is none of these."""
-        path, budget = arm
-        below = [self.cost(bucket, (path, b)) for b in self.budgets if 0 < b < budget]
+        """A lower bound of an untimed arm's cost (0 when there is none), the largest of: the dearest
+        timed arm of its path with a smaller budget (a bigger tree costs no less); plain decoding's; plain
+        decoding's times the arm's cost over plain decoding's at the nearest smaller bucket where both are
+        timed, and the calibrated estimate, these two less `ratio_slack` for noise (a bigger batch does not
+        make a tree relatively cheaper: the verify window grows with it while plain decoding's one token
+        does not). So a new bucket does not replay the dear arms the smaller ones already ruled out, and
+        with a calibration its first rounds play the arm calibrated best instead of timing each in turn."""
+        below = [self.cost(bucket, Arm(arm.single_mode, b)) for b in self.budgets if 0 < b < arm.budget]
         plain = self.cost(bucket, PLAIN)
         below.append(plain)
         estimate = self.estimate(bucket, arm)
@@ -185,12 +181,14 @@ class BudgetChooser:
                 below.append(self.ratio_slack * plain * self.cost(smaller, arm) / self.cost(smaller, PLAIN))
         return max((c for c in below if c is not None), default=0.0)
 
+    # --- the choice --------------------------------------------------------------------------
     def choose(self, bs: int) -> Arm:
+        """This round's arm for a decode batch of bs requests."""
         bucket = batch_bucket(bs)
         count = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
-        for path in self.paths:  # a path whose acceptance was never measured: its largest tree
-            if self.tokens((path, self.max_budget)) is None:
-                return self.explore(bucket, (path, self.max_budget))
+        unmeasured = self.unmeasured_path()
+        if unmeasured is not None:
+            return self.explore(bucket, unmeasured)
         timed, bounds = {}, {}  # tokens per second: measured, or an upper bound for untimed arms
         for arm in self.arms:
             cost = self.cost(bucket, arm)
@@ -201,27 +199,62 @@ class BudgetChooser:
             if floor <= 0:
                 return self.explore(bucket, arm)  # nothing to bound it with yet: time it
             bounds[arm] = self.tokens(arm) / floor
+        best = self.keep_current(bucket, timed)
+        promising = self.most_promising(bounds, timed, best)
+        if promising is not None:
+            return self.explore(bucket, promising)
+        self.settle(bucket, best, count)
+        return self.probe(bucket, best, count, timed, bounds)
+
+    def unmeasured_path(self) -> Arm | None:
+        """A path whose acceptance was measured on fewer than `min_requests` request-rounds plays its
+        largest tree: one round measures every budget of the path."""
+        for path in self.paths:
+            if self.tokens(Arm(path, self.max_budget)) is None:
+                return Arm(path, self.max_budget)
+        return None
+
+    def keep_current(self, bucket: int, timed: dict[Arm, float]) -> Arm | None:
+        """The best timed arm, unless the current choice is within `hysteresis` of it (noise would flip
+        the choice back and forth)."""
         best = max(timed, key=timed.get) if timed else None
         current = self.chosen.get(bucket)
         if best is not None and current in timed and timed[best] <= (1 + self.hysteresis) * timed[current]:
-            best = current  # not clearly better: keep the current choice (noise would flip it)
+            return current
+        return best
+
+    @staticmethod
+    def most_promising(bounds: dict[Arm, float], timed: dict[Arm, float], best: Arm | None) -> Arm | None:
+        """Optimism: of the untimed arms whose best case (`cost_floor`) beats the best timed one, the one
+        with the highest bound is timed; so only arms that might win are explored."""
         promising = [arm for arm, bound in bounds.items() if best is None or bound > timed[best]]
-        if promising:  # optimism: an arm whose best case beats the best measured one is timed
-            return self.explore(bucket, max(promising, key=bounds.get))
-        if current != best:
-            self.chosen[bucket] = best
-            self.next_probe[bucket] = (count + self.probe_every, self.probe_every)
-            logger.info("MFD auto budget: batch size <= %d -> %s (%.2f tokens per request per round, "
-                        "%.1f ms per round)", bucket, describe(best), self.tokens(best),
-                        1e3 * self.cost(bucket, best))
+        return max(promising, key=bounds.get) if promising else None
+
+    def settle(self, bucket: int, best: Arm, count: int) -> None:
+        """Make best the bucket's choice; a change restarts the probes at `probe_every` rounds."""
+        if self.chosen.get(bucket) == best:
+            return
+        self.chosen[bucket] = best
+        self.next_probe[bucket] = (count + self.probe_every, self.probe_every)
+        logger.info("MFD auto budget: batch size <= %d -> %s (%.2f tokens per request per round, "
+                    "%.1f ms per round)", bucket, describe(best), self.tokens(best), 1e3 * self.cost(bucket, best))
+
+    def probe(self, bucket: int, best: Arm, count: int, timed: dict[Arm, float], bounds: dict[Arm, float]) -> Arm:
+        """best, or on a probe round one of its neighbours (`probes`, in turn), so that acceptance and cost
+        around the choice stay current as requests and lengths change (a path's acceptance is measured
+        only by its own rounds). Probes come `probe_every` rounds after the choice changed, then at twice
+        the last interval (up to `max_probe_interval`) while it holds, so a settled choice pays little for
+        them; a neighbour measured (or, untimed, bounded) at under `probe_floor` of the choice's value is
+        not played (its acceptance would have to grow by that factor to matter)."""
         probe_round, interval = self.next_probe[bucket]
-        if count >= probe_round:
-            self.next_probe[bucket] = (count + 2 * interval, min(2 * interval, self.max_probe_interval))
-            neighbours = self.probes(best)
-            turn = self.probe_turns[bucket] = self.probe_turns.get(bucket, -1) + 1
-            probe = neighbours[turn % len(neighbours)]
-            if timed.get(probe, bounds.get(probe, 0.0)) >= self.probe_floor * timed[best]:
-                return probe if probe in timed else self.explore(bucket, probe)
+        if count < probe_round:
+            return best
+        self.next_probe[bucket] = (count + 2 * interval, min(2 * interval, self.max_probe_interval))
+        neighbours = self.probes(best)
+        turn = self.probe_turns[bucket] = self.probe_turns.get(bucket, -1) + 1
+        neighbour = neighbours[turn % len(neighbours)]
+        if timed.get(neighbour, bounds.get(neighbour, 0.0)) >= self.probe_floor * timed[best]:
+            return neighbour if neighbour in timed else self.explore(bucket, neighbour)
         return best
 
     def explore(self, bucket: int, arm: Arm) -> Arm:
@@ -234,18 +267,16 @@ class BudgetChooser:
         """The arms a probe round after arm plays in turn: the next larger budget of its path (after
         plain decoding: the smallest drafted budget of each path) and the other paths at its budget;
         arm itself when there is none (MFD's largest budget)."""
-        path, budget = arm
-        if budget == 0:
-            return [(p, self.budgets[1]) for p in self.paths]
-        larger = [(path, b) for b in self.budgets if b > budget][:1]
-        return larger + [(p, budget) for p in self.paths if p != path] or [arm]
+        if arm.budget == 0:
+            return [Arm(p, self.budgets[1]) for p in self.paths]
+        larger = [Arm(arm.single_mode, b) for b in self.budgets if b > arm.budget][:1]
+        return larger + [Arm(p, arm.budget) for p in self.paths if p != arm.single_mode] or [arm]
 
 
 def describe(arm: Arm) -> str:
-    path, budget = arm
-    if budget == 0:
+    if arm.budget == 0:
         return "plain decoding (budget 0)"
-    return f"budget {budget}, {'single-mode' if path else 'K-mode'} draft"
+    return f"budget {arm.budget}, {'single-mode' if arm.single_mode else 'K-mode'} draft"
 
 
 class RoundClock:

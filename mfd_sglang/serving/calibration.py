@@ -21,7 +21,6 @@ learns it per bucket from the running round times (`BudgetChooser.estimate`).
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import Callable
 
@@ -29,12 +28,18 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
+from mfd_sglang.timing import median_seconds
+from mfd_sglang.tree import DraftTree
+from mfd_sglang.tree_layout import VerifyLayout
+
 from .budget import Arm, batch_bucket, describe
+
+DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Arm], tuple[DraftTree, VerifyLayout]]
+VerifyFn = Callable[[VerifyLayout, torch.Tensor, int], Callable[[], object]]
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_LEN = 256  # committed tokens before each placeholder request's root
-REPEATS = 3  # timed runs per measurement (after one untimed), their median kept
 
 
 def calibration_sizes(max_bs: int) -> list[int]:
@@ -44,22 +49,6 @@ def calibration_sizes(max_bs: int) -> list[int]:
         sizes.append(bs)
         bs *= 2
     return sizes + [max_bs]
-
-
-def median_seconds(fn: Callable[[], object], device, repeats: int = REPEATS) -> float:
-    """Median wall time of fn() over `repeats` runs after one untimed run, the device synchronised."""
-    on_cuda = str(device).startswith("cuda")
-    times = []
-    for i in range(repeats + 1):
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def placeholder_verify_batch(model_runner, verify_input, seq_lens: torch.Tensor) -> ForwardBatch:
@@ -90,12 +79,14 @@ def placeholder_verify_batch(model_runner, verify_input, seq_lens: torch.Tensor)
     return forward_batch
 
 
-def calibrate_round_costs(worker, arms: list[Arm], max_bs: int) -> dict[tuple[int, Arm], float]:
-    """{(bucket, arm): seconds of the arm's draft + tree + verify forward} for every arm at every
-    batch size of `calibration_sizes(max_bs)`; logged as a table (milliseconds)."""
-    device = worker.device
-    row_len = worker.model_runner.req_to_token_pool.req_to_token.shape[1]
-    context_len = max(min(CONTEXT_LEN, row_len - max(budget for _, budget in arms) - 1), 1)
+def calibrate_round_costs(arms: list[Arm], max_bs: int, row_len: int, device, *, draft: DraftFn,
+                          verify: VerifyFn) -> dict[tuple[int, Arm], float]:
+    """{(bucket, arm): seconds of the arm's draft + tree + verify forward} for every arm at every batch
+    size of `calibration_sizes(max_bs)`, logged as a table (milliseconds). row_len: the width of a
+    request's row of req_to_token; draft(roots, seq_lens, req_pool_indices, max_len, arm) -> (tree,
+    layout): a round's draft stage; verify(layout, seq_lens, lens_sum): a function running the verify
+    forward of that layout's window for placeholder requests."""
+    context_len = max(min(CONTEXT_LEN, row_len - max(arm.budget for arm in arms) - 1), 1)
     costs = {}
     start = time.perf_counter()
     for bs in calibration_sizes(max_bs):
@@ -104,19 +95,14 @@ def calibrate_round_costs(worker, arms: list[Arm], max_bs: int) -> dict[tuple[in
         seq_lens = torch.full((bs,), context_len, dtype=torch.int64, device=device)
         slots = torch.zeros(bs, dtype=torch.int64, device=device)
         for arm in arms:
-            def draft():
-                return worker.draft_tree(roots, seq_lens, slots, context_len, arm)
+            def draft_arm():
+                return draft(roots, seq_lens, slots, context_len, arm)
 
-            draft_seconds = median_seconds(draft, device) if arm[1] > 0 else 0.0
-            width = arm[1] + 1
+            draft_seconds = median_seconds(draft_arm, device) if arm.budget > 0 else 0.0
+            width = arm.budget + 1
             if width not in verify_costs:  # both drafting paths verify the same window
-                _, layout = draft()
-                verify_input = worker.verify_input(layout, seq_lens, bs * context_len)
-                forward_batch = placeholder_verify_batch(worker.model_runner, verify_input, seq_lens)
-                if worker.verify_graphs is not None:
-                    worker.verify_graphs.activate(width)
-                verify_costs[width] = median_seconds(lambda: worker.target_worker.forward_batch_generation(
-                    batch=None, forward_batch=forward_batch, is_verify=True), device)
+                _, layout = draft_arm()
+                verify_costs[width] = median_seconds(verify(layout, seq_lens, bs * context_len), device)
             costs[bucket, arm] = draft_seconds + verify_costs[width]
     logger.info("MFD auto budget: start-up calibration (%.1f s; draft + tree + verify in ms per round, "
                 "%d-token contexts):\n%s", time.perf_counter() - start, context_len, cost_table(costs, arms))

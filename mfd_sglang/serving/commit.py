@@ -1,5 +1,6 @@
-"""The commit stage of a speculative round, shared by the SGLang worker (`MFDWorkerV2.commit`) and the
-round-cost benchmark (`benchmarks/round_cost.py`), so the code that is measured is the code that serves.
+"""The commit stage of a speculative round, shared by the SGLang worker (`MFDWorkerV2.commit_verified`)
+and the round-cost benchmark (`benchmarks/round_cost.py`), so the code that is measured is the code
+that serves.
 
 After the verify forward over each request's window `[root, B tree nodes]` the round commits the root
 and the accepted path: their target K/V move to the front of the window (the caller's KV store does

@@ -9,6 +9,11 @@ reuse the drafter context together with the target KV, and freeing a slot needs 
 reference in torch, the fused Triton kernel on CUDA); `gather(...)` copies it into a padded
 DraftContext (needed by drafters with sliding-window layers).
 
+Plain-decoding rounds (the automatic budget's budget 0) may hand their rows to `deferred_for(requests)`
+instead (`DeferredContextWrites`, when the pool was built with `deferred_rows`): the pool writes them in
+one batch before anything else touches it. `write`, `gather` and `paged` flush first; a CUDA-graph
+replay of a draft reads the tensors directly, so its caller flushes (`flush()`) before replaying.
+
 The draft block itself (K modes x block rows) never enters this pool: its keys and values exist
 only inside the drafter's forward, so no verify slots are borrowed for drafting.
 """
@@ -25,11 +30,13 @@ from mfd_sglang.mode_attention import mode_attention
 
 
 class DraftContextPool:
-    def __init__(self, drafter: MFDDrafter, num_slots: int, *, device, dtype: torch.dtype):
+    def __init__(self, drafter: MFDDrafter, num_slots: int, *, device, dtype: torch.dtype, deferred_rows: int = 0):
         cfg = drafter.cfg
         shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.deferred = (DeferredContextWrites(self, drafter, deferred_rows, device=device, dtype=dtype)
+                         if deferred_rows else None)
 
     @property
     def num_slots(self) -> int:
@@ -37,15 +44,35 @@ class DraftContextPool:
 
     def write(self, drafter: MFDDrafter, target_hidden: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor) -> None:
-        """Context K/V of tokens with target hidden states [T, F] at positions [T] into slots [T]."""
+        """Context K/V of tokens with target hidden states [T, F] at positions [T] into slots [T]
+        (held rows first: their slots may have been handed out again)."""
+        self.flush()
+        self.write_now(drafter, target_hidden, positions, slots)
+
+    def write_now(self, drafter: MFDDrafter, target_hidden: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor) -> None:
         context = drafter.context_kv(target_hidden[None], positions[None])
         for pool_k, pool_v, k, v in zip(self.keys, self.values, context.keys, context.values):
             pool_k[slots] = k[0].transpose(0, 1)
             pool_v[slots] = v[0].transpose(0, 1)
 
+    def deferred_for(self, requests: tuple) -> "DraftContextPool | DeferredContextWrites":
+        """Where a plain-decoding round of `requests` (their ids) writes its context: the deferred writes
+        held for them, or the pool itself when it defers nothing."""
+        if self.deferred is None:
+            return self
+        self.deferred.hold_for(requests)
+        return self.deferred
+
+    def flush(self) -> None:
+        """Write the held rows of plain-decoding rounds (a no-op when none are held)."""
+        if self.deferred is not None:
+            self.deferred.flush()
+
     def gather(self, slots: torch.Tensor, lengths: torch.Tensor) -> DraftContext:
         """The padded DraftContext of bs requests: slots [bs, L] of positions 0..L-1, the first
         lengths [bs] of them committed (the rest are masked out)."""
+        self.flush()
         bs, width = slots.shape
         positions = torch.arange(width, device=slots.device).expand(bs, width)
         return DraftContext(
@@ -58,6 +85,7 @@ class DraftContextPool:
     def paged(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lengths: torch.Tensor,
               backend: str) -> "PagedDraftContext":
         """The context of bs requests read in place: positions 0..lengths[b]-1 of req_to_token's rows."""
+        self.flush()
         return PagedDraftContext(self, req_to_token, req_pool_indices, lengths, backend)
 
 
@@ -69,8 +97,8 @@ class DeferredContextWrites:
 
     `hold_for(requests)` before a round's writes: rows held for another set of requests are written
     first, because a request that left (finished, aborted, retracted) may have freed slots the
-    scheduler hands out again. `flush()` writes what is held, in order; the worker calls it before
-    anything else writes to the pool (a prefill) or reads it (a drafting round). While the set of
+    scheduler hands out again. `flush()` writes what is held, in order; the pool calls it before
+    anything else writes to it (a prefill) or reads it (a drafting round). While the set of
     requests is unchanged their held slots stay theirs, so the rows' later write lands where a direct
     one would have. Holds at most `capacity` rows (target features [capacity, F] in the serving dtype);
     a round with more is written at once."""
@@ -96,7 +124,7 @@ class DeferredContextWrites:
         if self.count + rows > self.capacity:
             self.flush()
         if rows > self.capacity:
-            self.pool.write(drafter, target_hidden, positions, slots)
+            self.pool.write_now(drafter, target_hidden, positions, slots)
             return
         end = self.count + rows
         self.hidden[self.count:end] = target_hidden
@@ -107,7 +135,7 @@ class DeferredContextWrites:
     def flush(self) -> None:
         if self.count:
             n, self.count = self.count, 0
-            self.pool.write(self.drafter, self.hidden[:n], self.positions[:n], self.slots[:n])
+            self.pool.write_now(self.drafter, self.hidden[:n], self.positions[:n], self.slots[:n])
 
 
 @dataclass

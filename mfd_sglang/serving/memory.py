@@ -179,16 +179,15 @@ class VerifyGraphPlan:
 
 
 def verify_graph_plan(server_args, budget: int) -> VerifyGraphPlan | None:
-    """The plan of the automatic budget's extra verify windows for a GPU server at launch (SGLang's
-    resolved arguments and the target's ModelConfig); None without CUDA graphs or the automatic budget."""
+    """The plan of the automatic budget's extra verify windows for a GPU server (SGLang's resolved
+    arguments and the target's ModelConfig); None without CUDA graphs."""
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     from .budget import candidate_budgets
-    from .options import read_options
 
-    if not read_options().auto_budget or server_args.disable_cuda_graph:
+    if server_args.disable_cuda_graph:
         return None
     decode_graphs = server_args.cuda_graph_config.decode
     if decode_graphs.backend == Backend.DISABLED:
@@ -260,6 +259,21 @@ def reserve_in_mem_fraction(server_args, plan: MemoryPlan, gpu_mem_mib: float | 
     server_args.mem_fraction_static = lowered
 
 
+def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embeddings: bool, dtype_bytes: int,
+                        num_modes: int | None, verify_graphs: bool) -> MemoryPlan:
+    """The plan of the drafter checkpoint `ckpt` served by `server_args` with tree budget B over a target
+    vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_graphs: the automatic
+    budget's extra tree-verify graphs are captured (a GPU server with MFD_SGLANG_AUTO_BUDGET=1)."""
+    from .options import draft_quantization
+
+    graphs = verify_graph_plan(server_args, budget) if verify_graphs else None
+    weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())  # as at launch
+    return memory_plan(ckpt.config, weights, dtype_bytes=dtype_bytes, budget=budget, vocab=vocab, num_modes=num_modes,
+                       tp_size=int(server_args.tp_size or 1), tied_embeddings=tied_embeddings,
+                       verify_graph_bytes=graphs.total_bytes() if graphs else 0,
+                       draft_quantization=draft_quantization(server_args))
+
+
 def plan_launch_memory(server_args) -> None:
     """At launch on an accelerator (SGLang's handle_server_args stage): the plan of the drafter at
     --speculative-draft-model-path, reserved through `reserve_in_mem_fraction`."""
@@ -267,22 +281,17 @@ def plan_launch_memory(server_args) -> None:
         return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher
     from sglang.srt.utils.common import get_device_memory_capacity
 
-    from mfd_sglang.checkpoint import _target_text_config, load_drafter
+    from mfd_sglang.checkpoint import load_drafter, target_text_config
 
-    from .options import budget_from_num_draft_tokens, draft_quantization, read_options
+    from .options import budget_from_num_draft_tokens, read_options
 
-    ckpt = load_drafter(server_args.speculative_draft_model_path)
-    target = _target_text_config(server_args.model_path)
-    weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())
-    budget = budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
-    graphs = verify_graph_plan(server_args, budget)
-    plan = memory_plan(ckpt.config, weights, dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
-                       budget=budget,
-                       vocab=target["vocab_size"],
-                       num_modes=read_options().num_modes, tp_size=int(server_args.tp_size or 1),
-                       tied_embeddings=bool(target.get("tie_word_embeddings")),
-                       verify_graph_bytes=graphs.total_bytes() if graphs else 0,
-                       draft_quantization=draft_quantization(server_args))
+    options = read_options()
+    target = target_text_config(server_args.model_path)
+    plan = drafter_memory_plan(server_args, load_drafter(server_args.speculative_draft_model_path),
+                               budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),
+                               vocab=target["vocab_size"], tied_embeddings=bool(target.get("tie_word_embeddings")),
+                               dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
+                               num_modes=options.num_modes, verify_graphs=options.auto_budget)
     # The raw input tells whether the user set the fraction (the resolved value is always set).
     raw = getattr(server_args, "_raw_input", None) or {}
     reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),

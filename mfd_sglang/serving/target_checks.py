@@ -20,7 +20,9 @@ tree mask (SGLang 0.5.23's EAGLE verify layout). Three things next to that path 
 `target_refusal(...)` reads the target's config at launch (before any process starts);
 `check_target_runner(model_runner)` re-checks what the scheduler actually built (the resolved window,
 SGLang's own hybrid predicates, the instantiated attention backend) and raises before the first
-request. Both name the architecture and the reason.
+request. Both name the architecture and the reason. `check_tree_verify_attention(attn_backend)`, run
+by the worker at start too, raises unless the instantiated backend that runs TARGET_VERIFY applies
+the tree mask at all (FlashInfer, Triton, or the CPU `mfd_cpu`).
 """
 
 from __future__ import annotations
@@ -161,6 +163,21 @@ def verify_attention_backend(attn_backend):
         else:
             break
     return backend
+
+
+# The attention backends (by class) that apply the tree mask of a top-k 1 TARGET_VERIFY: the classes of
+# `launch.TREE_VERIFY_ATTENTION_BACKENDS`, checked on the backend the model runner instantiated.
+TREE_VERIFY_ATTENTION_CLASSES = ("FlashInferAttnBackend", "TritonAttnBackend", "CpuSdpaAttnBackend")
+
+
+def check_tree_verify_attention(attn_backend) -> None:
+    """RuntimeError unless the target's instantiated attention backend applies the tree mask (the
+    last line of defence if a launch path skipped `launch.resolve_attention_backend`)."""
+    name = type(verify_attention_backend(attn_backend)).__name__
+    if name not in TREE_VERIFY_ATTENTION_CLASSES:
+        raise RuntimeError(f"MFD cannot verify its tree with the {name} attention backend (it ignores the "
+                           "tree mask of a top-k 1 verify). Start the server with --attention-backend "
+                           "flashinfer (GPU), triton, or mfd_cpu (CPU).")
 
 
 def check_target_runner(model_runner) -> None:

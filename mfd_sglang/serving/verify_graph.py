@@ -10,7 +10,7 @@ captured buffer (FlashInfer: `cuda_graph_custom_mask`; Triton: its custom-mask b
 positions / KV slots are copied into the runner's static buffers; a batch smaller than a captured
 size is padded by the runner (EAGLE's `generate_attn_arg_prefill` pads the mask to match).
 
-Installed by `mfd_sglang.patches.verify_graph` through `ModelRunner._decode_cuda_graph_runner_cls`.
+Installed by `mfd_sglang.patches.tree_verify_graph_runner` through `ModelRunner._decode_cuda_graph_runner_cls`.
 
 Under the automatic budget a round verifies a window of b + 1 tokens for its budget b (1 for plain
 decoding), and a graph replays only the width it was captured with: `VerifyGraphsByWidth` captures one
@@ -26,32 +26,13 @@ import logging
 
 import torch
 
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.runtime_context import get_context, get_spec
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 
+from .tree_verify import tree_verify_input
+
 logger = logging.getLogger(__name__)
-
-
-def tree_verify_capture_input(num_draft_tokens: int, custom_mask: torch.Tensor) -> EagleVerifyInput:
-    """The spec input a tree-verify graph is captured with: the tree mask read from `custom_mask`
-    (the runner's buffer) and the hidden states of every verified token kept."""
-    return EagleVerifyInput(
-        draft_token=None,
-        custom_mask=custom_mask,
-        positions=None,
-        retrieve_index=None,
-        retrieve_next_token=None,
-        retrieve_next_sibling=None,
-        retrieve_cum_len=None,
-        spec_steps=1,
-        topk=1,
-        draft_token_num=num_draft_tokens,
-        capture_hidden_mode=CaptureHiddenMode.FULL,
-        seq_lens_sum=None,
-        seq_lens_cpu=None,
-    )
 
 
 class MFDVerifyCudaGraphRunner(DecodeCudaGraphRunner):
@@ -59,7 +40,8 @@ class MFDVerifyCudaGraphRunner(DecodeCudaGraphRunner):
     (root + B) per request under the custom tree mask."""
 
     def get_spec_info(self, num_tokens: int):
-        return tree_verify_capture_input(self.captured_req_width, self.buffers.custom_mask)
+        # The tree mask is read from the runner's buffer; the round's input brings the rest at replay.
+        return tree_verify_input(self.buffers.custom_mask, self.captured_req_width)
 
     def can_run_graph(self, forward_batch) -> bool:
         # Only MFD's tree verify was captured; anything else (there is nothing else today) runs eagerly.

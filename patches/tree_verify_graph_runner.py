@@ -18,9 +18,9 @@ DECODE_GRAPH_RUNNER_CLS = "sglang.srt.model_executor.model_runner.ModelRunner._d
 
 def decode_graph_runner_cls_around(original, model_runner, *args, **kwargs):
     """AROUND hook: MFD's tree-verify runner for MFD / MFD_D target runners, else the original."""
-    from mfd_sglang.serving.algorithms import ALGORITHMS
+    from mfd_sglang.serving.algorithms import is_mfd
 
-    if getattr(model_runner.spec_algorithm, "name", None) in ALGORITHMS and not model_runner.is_draft_worker:
+    if is_mfd(model_runner.spec_algorithm) and not model_runner.is_draft_worker:
         from mfd_sglang.serving.verify_graph import MFDVerifyCudaGraphRunner
 
         return MFDVerifyCudaGraphRunner

@@ -1,0 +1,100 @@
+"""The automatic budget in a serving worker (MFD_SGLANG_AUTO_BUDGET=1): what the rule in `budget` needs
+from the server, owned in one place.
+
+`AutoBudget` holds the chooser (`budget.BudgetChooser`: the rule), the round clock, the acceptance of
+recent rounds on its way to the host, the candidate budgets on the device, the target's tree-verify
+graphs at every candidate window (`verify_graph.VerifyGraphsByWidth`, GPU) and the start-up
+calibration (`calibration`). The worker talks to it through four calls:
+  `choose(bs)`              this decode round's arm (it records the finished rounds' acceptance and
+                            the last round's time first);
+  `activate_window(width)`  the verify graphs (and attention backend) of the round's window;
+  `after_round(arm, result)` start measuring what the round committed (no host sync);
+  `other_forward()`         a prefill ran: the interval to the next decode round is not a round's.
+and at start-up `capture_verify_graphs(model_runner)` then `calibrate(...)`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from mfd_sglang.verify import TreeVerifyResult, sub_budget_accept_lens
+
+from .budget import Arm, BudgetChooser, RoundClock
+from .calibration import DraftFn, VerifyFn, calibrate_round_costs
+from .verify_graph import MFDVerifyCudaGraphRunner, VerifyGraphsByWidth
+
+
+class AutoBudget:
+    def __init__(self, max_budget: int, *, single_mode_path: bool, device):
+        self.chooser = BudgetChooser(max_budget, paths=(False, True) if single_mode_path else (False,))
+        self.clock = RoundClock()
+        self.device = device
+        # On the device once: a round measures a prefix of these (`measured_budgets`).
+        self.candidate_budgets = torch.tensor(self.chooser.budgets, device=device)
+        # (arm, committed tokens per request and budget [bs, budgets] on their way to the host, event) of
+        # rounds whose acceptance is not yet recorded.
+        self.pending: deque[tuple[Arm, torch.Tensor, torch.cuda.Event | None]] = deque()
+        self.verify_graphs: VerifyGraphsByWidth | None = None
+
+    @property
+    def arms(self) -> list[Arm]:
+        return self.chooser.arms
+
+    def describe(self) -> str:
+        return f"auto (at most {self.chooser.max_budget}, from {self.chooser.budgets})"
+
+    def choose(self, bs: int) -> Arm:
+        self.record_finished_acceptance()
+        arm = self.chooser.choose(bs)
+        timing = self.clock.decode_round(bs, arm)
+        if timing is not None:
+            self.chooser.record_round_time(*timing)
+        return arm
+
+    def other_forward(self) -> None:
+        self.clock.other_forward()
+
+    def activate_window(self, width: int) -> None:
+        if self.verify_graphs is not None:
+            self.verify_graphs.activate(width)
+
+    def after_round(self, arm: Arm, result: TreeVerifyResult) -> None:
+        """Start the host copy of what every budget <= the round's would have committed; recorded once
+        the copy is done (a later round), so the round never waits for it."""
+        budgets = self.candidate_budgets[: len(self.chooser.measured_budgets(arm))]
+        committed = sub_budget_accept_lens(result, budgets)
+        done = None
+        if committed.is_cuda:
+            committed = committed.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.pending.append((arm, committed, done))
+
+    def record_finished_acceptance(self) -> None:
+        while self.pending and (self.pending[0][2] is None or self.pending[0][2].query()):
+            arm, committed, _ = self.pending.popleft()
+            self.chooser.record_acceptance(arm, committed.tolist())
+
+    def capture_verify_graphs(self, model_runner) -> None:
+        """The target's tree-verify graphs at every candidate window (SGLang captured the launch one's),
+        when the target's decode graphs are MFD's tree-verify graphs (a GPU with CUDA graphs on)."""
+        if isinstance(model_runner.decode_cuda_graph_runner, MFDVerifyCudaGraphRunner):
+            self.verify_graphs = VerifyGraphsByWidth(model_runner, [b + 1 for b in self.chooser.budgets])
+
+    def calibrate(self, max_bs: int, row_len: int, *, draft: DraftFn, verify: VerifyFn) -> None:
+        """Start-up costs of every arm (`calibration.calibrate_round_costs`), each verify on its window's
+        graphs."""
+        def verify_on_its_window(layout, seq_lens, lens_sum):
+            run = verify(layout, seq_lens, lens_sum)
+            width = layout.draft_token.shape[1]
+
+            def timed():
+                self.activate_window(width)
+                return run()
+            return timed
+
+        with torch.inference_mode():
+            self.chooser.calibrate(calibrate_round_costs(self.arms, max_bs, row_len, self.device, draft=draft,
+                                                         verify=verify_on_its_window))

@@ -1,0 +1,140 @@
+"""The draft + tree stage of a round inside SGLang 0.5.23: the drafter, its context pool and its graphs.
+
+`DraftStage.tree(roots, seq_lens, req_pool_indices, max_len, arm)` drafts the block `[root, MASK...]`
+of every request for the arm's path (K modes, or MFD_D's single mode), keeps each position's B best
+tokens scoring the vocabulary in chunks (`MFDDrafter.block_candidates`: no [bs, K, D, V] tensor), builds
+the mixture tree of B nodes (`build_mixture_tree`: Triton on CUDA, torch elsewhere) and lays it out for
+SGLang's tree verify (`tree_to_verify_layout`). Budget 0 is plain decoding: no draft, the root alone.
+
+The drafter reads the committed context from `DraftContextPool` at the target's KV slots: in place
+(`paged`, mode attention: Triton on CUDA), or for drafters with sliding-window layers copied into a
+padded `DraftContext` (`gather`). On CUDA the in-place path has fixed shapes and replays as one CUDA
+graph per batch-size bucket and arm (`capture_graphs`).
+
+The drafter borrows the target's embeddings and head (rows past the vocabulary are padding); with a draft
+vocabulary its rows of the head are copied once (`MFDDrafter.head_weight`). Under tensor parallelism both
+are vocabulary shards; the drafter runs whole on every rank and needs every row, so they are gathered
+once at start (one full copy per rank, counted in the memory plan) rather than a per-shard top-B and an
+all-gather every round. Every rank then drafts the same tree from the same all-reduced hidden states
+with the same deterministic kernels (SGLang's DFLASH draft relies on the same): no broadcast needed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mfd_sglang.checkpoint import DrafterCheckpoint
+from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
+from mfd_sglang.drafter import MFDDrafter
+from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree, empty_tree
+from mfd_sglang.tree_layout import VerifyLayout, tree_to_verify_layout
+
+from .budget import Arm
+from .draft_context_pool import DraftContextPool
+
+logger = logging.getLogger(__name__)
+
+
+class DraftStage:
+    def __init__(self, drafter: MFDDrafter, embed_weight: torch.Tensor, head_weight: torch.Tensor, *, device):
+        self.drafter = drafter
+        self.embed_weight, self.head_weight = embed_weight, head_weight
+        on_cuda = str(device).startswith("cuda")
+        self.tree_backend = "triton" if on_cuda else "torch"
+        sliding = any(drafter.cfg.is_sliding(i) for i in range(drafter.cfg.num_hidden_layers))
+        self.mode_attention_backend = None if sliding else "triton" if on_cuda else "torch"
+        self.context_pool: DraftContextPool | None = None  # once the target's KV pool exists
+        self.req_to_token_pool = None  # SGLang's (request slot -> KV slot of each position), with it
+        self.graphs: BatchGraphs | None = None
+
+    @classmethod
+    def for_target(cls, ckpt: DrafterCheckpoint, model_runner, tp_group, *, fp8_linears: bool,
+                   num_modes: int | None) -> "DraftStage":
+        """The stage of drafter checkpoint `ckpt` on the target of `model_runner` (its first `num_modes`
+        modes when set; fp8_linears: attention and MLP linears in e4m3)."""
+        device = model_runner.device
+        drafter = MFDDrafter.from_checkpoint(ckpt, dtype=model_runner.model_config.dtype,
+                                             fp8_linears=fp8_linears).to(device)
+        if num_modes is not None:
+            drafter.mode_embed.data = drafter.mode_embed.data[:num_modes]
+        target, vocab = model_runner.model, model_runner.model_config.vocab_size
+        embed, head = target.get_input_embeddings().weight, target.lm_head.weight
+        tied = head is embed
+        if tp_group.world_size > 1:
+            embed = tp_group.all_gather(embed, dim=0)
+            head = embed if tied else tp_group.all_gather(head, dim=0)
+        return cls(drafter, embed[:vocab], drafter.head_weight(head[:vocab]), device=device)
+
+    @property
+    def num_modes(self) -> int:
+        return self.drafter.mode_embed.shape[0]
+
+    def init_context_pool(self, num_slots: int, req_to_token_pool, *, device, dtype: torch.dtype,
+                          deferred_rows: int = 0) -> None:
+        """The drafter's context K/V at every one of the target's `num_slots` KV slots, which
+        req_to_token_pool maps requests' positions to (deferred_rows: see `DraftContextPool`)."""
+        self.req_to_token_pool = req_to_token_pool
+        self.context_pool = DraftContextPool(self.drafter, num_slots, device=device, dtype=dtype,
+                                             deferred_rows=deferred_rows)
+
+    def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context K/V of tokens with target hidden states [T, F] at positions [T] into slots [T]."""
+        self.context_pool.write(self.drafter, target_hidden, positions, slots)
+
+    def capture_graphs(self, max_bs: int, arms: list[Arm]) -> None:
+        """CUDA graphs of draft + tree + layout of each drafted arm at every batch-size bucket up to max_bs
+        (only the in-place context in Triton has fixed shapes: other drafters draft eagerly)."""
+        if self.mode_attention_backend != "triton":
+            return
+        device = self.embed_weight.device
+
+        def example_inputs(bs: int):  # also the pad rows: token 0, empty context, request slot 0
+            return [torch.zeros(bs, dtype=torch.int64, device=device) for _ in range(3)]
+
+        self.graphs = BatchGraphs(self.paged_tree, example_inputs, default_buckets(max_bs), use_graph=True)
+        with torch.inference_mode():
+            self.graphs.capture_all(keys=[arm for arm in arms if arm.budget > 0])
+        logger.info("MFD: draft + tree + layout CUDA graphs captured for batch sizes %s", self.graphs.buckets)
+
+    def tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, max_len: int,
+             arm: Arm) -> tuple[DraftTree, VerifyLayout]:
+        """draft + tree + layout of arm: a CUDA-graph replay when captured for this batch size, else eager
+        (max_len: a host-side upper bound of seq_lens, the padded copy's width)."""
+        if arm.budget == 0:
+            return self.with_layout(empty_tree(roots.shape[0], roots.device), roots, seq_lens)
+        self.context_pool.flush()  # a graph replay reads the pool's tensors directly
+        if self.graphs is not None and seq_lens.shape[0] <= self.graphs.max_bs:
+            return self.graphs(roots, seq_lens, req_pool_indices, key=arm)
+        if self.mode_attention_backend is not None:
+            return self.paged_tree(roots, seq_lens, req_pool_indices, key=arm)
+        slots = self.req_to_token_pool.req_to_token[req_pool_indices.long()][:, :max_len].long()
+        context = self.context_pool.gather(slots, seq_lens)
+        return self.tree_of(self.candidates(roots, seq_lens, context, arm), roots, seq_lens, arm.budget)
+
+    def paged_tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, *,
+                   key: Arm) -> tuple[DraftTree, VerifyLayout]:
+        """draft + tree + layout over the context read in place: fixed shapes, what the CUDA graphs replay
+        (key: the arm, as `BatchGraphs` keys its graphs)."""
+        context = self.context_pool.paged(self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens,
+                                          self.mode_attention_backend)
+        return self.tree_of(self.candidates(roots, seq_lens, context, key), roots, seq_lens, key.budget)
+
+    def candidates(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, arm: Arm) -> DraftCandidates:
+        """The drafter's `arm.budget` best tokens per (mode, position) of the blocks `[root, MASK...]` at
+        positions seq_lens.., with their log-probs: all the tree reads."""
+        return self.drafter.block_candidates(roots, seq_lens, context, self.embed_weight, self.head_weight,
+                                             arm.budget, single_mode=arm.single_mode)
+
+    def tree_of(self, candidates: DraftCandidates, roots: torch.Tensor, seq_lens: torch.Tensor,
+                budget: int) -> tuple[DraftTree, VerifyLayout]:
+        """The mixture tree (target token ids) of the candidates and its verify layout (fixed shapes)."""
+        tree = build_mixture_tree(candidates, budget, backend=self.tree_backend)
+        tree.tokens = self.drafter.to_target_ids(tree.tokens)
+        return self.with_layout(tree, roots, seq_lens)
+
+    @staticmethod
+    def with_layout(tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
+        """(tree, its SGLang verify layout under `roots` at positions seq_lens)."""
+        return tree, tree_to_verify_layout(tree, roots, seq_lens)

@@ -1,0 +1,192 @@
+"""Launch-time resolution and validation of an MFD / MFD_D server's arguments (SGLang 0.5.23).
+
+Everything here runs in the launcher, inside SGLang's argument resolution
+(`arg_groups/speculative_hook.py::handle_speculative_decoding`), before any scheduler process starts.
+SGLang hands a registered algorithm's callbacks its recording stand-in for `ServerArgs`
+(`arg_groups/overrides.py::record_foreign_defaults`), which declares the fields they write. In order:
+
+- `validate_server_args(server_args)`, the algorithm's validator (`algorithms.register_algorithms`):
+  a ValueError, whose message names the flag and the fix, for every configuration MFD cannot serve:
+  `unsupported_configuration` (pipeline / attention data parallelism, PD disaggregation, HiCache,
+  ...), a target whose tree verify SGLang would get silently wrong (`target_checks.target_refusal`),
+  plugin options that do not fit, and a drafter that is missing (`check_drafter_path`), or does not
+  fit the target (`checkpoint.check_fits_target`, `check_capturable_layers`).
+- `resolve_server_args(server_args)`, the spec class's `handle_server_args`: fills the fields MFD
+  implies (default draft tokens, EAGLE knobs pinned to 1, running-request cap, memory reserve) and
+  picks an attention backend that applies the tree mask (`resolve_attention_backend`, one of
+  `TREE_VERIFY_ATTENTION_BACKENDS`).
+
+Two checks run earlier, as hooks (`mfd_sglang.patches.launch_checks`): the target refusal, before
+SGLang's model-specific resolution steps, and `check_drafter_path`, before SGLang reads the drafter's
+config.json. The scheduler re-checks what it built (`target_checks.check_target_runner`,
+`target_checks.check_tree_verify_attention`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_server_args(server_args) -> None:
+    """Fill the SGLang fields MFD implies (called on SGLang's recording stand-in at launch)."""
+    from .memory import plan_launch_memory
+    from .options import default_num_draft_tokens
+    from .target_checks import disable_splitkv_verify
+
+    if server_args.speculative_num_draft_tokens is None:
+        server_args.speculative_num_draft_tokens = default_num_draft_tokens(server_args.device)
+    # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1.
+    server_args.speculative_num_steps = 1
+    server_args.speculative_eagle_topk = 1
+    server_args.enable_mixed_chunk = False
+    disable_splitkv_verify()
+    # Overlap scheduling follows SGLang's flag on every device. SGLang turns it off for its own
+    # speculative algorithms on CPU; MFD's worker keeps the V2 contract (no host sync, on_publish,
+    # inputs kept alive), so a CPU server runs the same scheduler flow as a GPU one by default.
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = 48
+    resolve_attention_backend(server_args)
+    plan_launch_memory(server_args)
+
+
+# Attention backends that apply a custom mask to a TARGET_VERIFY whose spec input says top-k 1 (MFD's
+# tree verify): FlashInfer and Triton read the mask of any EAGLE verify input; FA3 / FA4 / TRT-LLM
+# take top-k 1 for a chain and attend causally, which would accept wrong tokens without an error.
+TREE_VERIFY_ATTENTION_BACKENDS = {"cuda": ("flashinfer", "triton"), "cpu": ("mfd_cpu", "triton")}
+
+
+def resolve_attention_backend(server_args) -> None:
+    """SGLang has already picked the attention backends when the algorithm's hook runs (on Hopper
+    often fa3). On a GPU, switch to FlashInfer when they cannot verify a tree (Triton where FlashInfer
+    is not installed, with one log line); on a CPU refuse."""
+    device = "cpu" if str(server_args.device) == "cpu" else "cuda"
+    supported = TREE_VERIFY_ATTENTION_BACKENDS[device]
+    chosen = {flag: getattr(server_args, field, None) for flag, field in (
+        ("--attention-backend", "attention_backend"), ("--prefill-attention-backend", "prefill_attention_backend"),
+        ("--decode-attention-backend", "decode_attention_backend"))}
+    wrong = {flag: value for flag, value in chosen.items() if value is not None and value not in supported}
+    if not wrong and any(value is not None for value in chosen.values()):
+        return
+    if device == "cpu":
+        raise ValueError("MFD on CPU needs --attention-backend mfd_cpu (python -m mfd_sglang.cpu.launch_server "
+                         f"sets it) or triton; got {wrong or 'none'}.")
+    backend = "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+    if wrong:
+        logger.warning("MFD: attention backend %s cannot verify a tree (it treats a top-k 1 verify as a "
+                       "chain); using %s instead. Pass --attention-backend flashinfer or triton to "
+                       "silence this.", ", ".join(f"{f} {v}" for f, v in wrong.items()), backend)
+    if backend == "triton":
+        logger.warning("MFD: FlashInfer is not installed (pip install flashinfer-python), so the target "
+                       "verifies its trees with the triton attention backend.")
+    server_args.attention_backend = backend
+    server_args.prefill_attention_backend = None
+    server_args.decode_attention_backend = None
+
+
+def attention_dp_size(server_args) -> int:
+    """The attention data-parallel width of `server_args`, in either spelling: SGLang 0.5.23's first
+    resolution hook (`arg_groups/parallel_hook.py::handle_deprecated_dp_attention`) rewrites
+    `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1` long before an algorithm's
+    check runs; arguments that did not go through it still carry the old spelling."""
+    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False) and attn_dp == 1:
+        return int(getattr(server_args, "dp_size", 1) or 1)
+    return attn_dp
+
+
+def unsupported_configuration(server_args) -> list[str]:
+    """What in `server_args` MFD does not serve, one message per flag (empty when nothing)."""
+    problems = []
+    if int(server_args.pp_size or 1) > 1:
+        problems.append(f"--pp-size {server_args.pp_size}: pipeline parallelism is not supported")
+    attn_dp = attention_dp_size(server_args)
+    if attn_dp > 1:
+        problems.append(f"--attn-dp-size {attn_dp} (attention data parallelism; SGLang also accepts it as "
+                        f"--dp-size {attn_dp} --enable-dp-attention) is not supported: the ranks of one TP group "
+                        "would hold different batches, with idle ranks, and MFD broadcasts one accepted path "
+                        "over the whole TP group. Use --dp-size N without --enable-dp-attention (replicas)")
+    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
+        problems.append(f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation is not "
+                        "supported (the drafter context of the prompt does not move with the target's KV, and "
+                        "the decode server's first round has no draft input). Use --dp-size N replicas, or "
+                        "replicas behind sglang-router")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        problems.append("--enable-hierarchical-cache (HiCache) is not supported")
+    if getattr(server_args, "speculative_draft_window_size", None) is not None:
+        problems.append("--speculative-draft-window-size is not supported")
+    if str(getattr(server_args, "device", "")) == "cpu" and getattr(server_args, "enable_torch_compile", False):
+        problems.append("--enable-torch-compile on CPU: SGLang's CPU graph runner captures no tree mask "
+                        "(drop the flag)")
+    if getattr(server_args, "speculative_adaptive", False):
+        problems.append("--speculative-adaptive is not supported")
+    return problems
+
+
+def validate_server_args(server_args) -> None:
+    """Reject, at launch, every configuration MFD cannot serve; each message names the fix."""
+    from mfd_sglang.checkpoint import CheckpointError, check_fits_target, load_drafter
+
+    from .options import budget_from_num_draft_tokens, draft_quantization, read_options
+    from .target_checks import target_refusal
+
+    algo = str(server_args.speculative_algorithm).upper()
+    problems = unsupported_configuration(server_args)
+    if problems:
+        raise ValueError(f"--speculative-algorithm {algo}: unsupported configuration: "
+                         + "; ".join(problems) + ".")
+    refusal = target_refusal(server_args.model_path, trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
+                             revision=getattr(server_args, "revision", None))
+    if refusal:
+        raise ValueError(refusal)
+    options = read_options()
+    if options.auto_budget and int(server_args.tp_size or 1) > 1:
+        # Each rank would choose from its own round times: the ranks could verify different trees.
+        raise ValueError(f"MFD_SGLANG_AUTO_BUDGET=1 with --tp-size {server_args.tp_size}: the automatic "
+                         "budget runs with one rank only for now; use a fixed budget "
+                         "(--speculative-num-draft-tokens) under tensor parallelism.")
+    if server_args.speculative_num_draft_tokens is not None:
+        budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
+    draft_quantization(server_args)  # a method the drafter cannot run is refused here
+
+    path = server_args.speculative_draft_model_path
+    check_drafter_path(algo, path)
+    try:
+        ckpt = load_drafter(path)
+        check_fits_target(ckpt, server_args.model_path)
+        check_capturable_layers(ckpt, server_args.model_path)
+    except CheckpointError as e:
+        raise ValueError(f"--speculative-draft-model-path {path} does not fit --model-path "
+                         f"{server_args.model_path}: {e}") from None
+    if options.num_modes is not None and options.num_modes > ckpt.config.num_modes:
+        raise ValueError(f"MFD_SGLANG_NUM_MODES={options.num_modes} but the drafter at {path} has "
+                         f"{ckpt.config.num_modes} mode(s); set at most {ckpt.config.num_modes} or unset it.")
+
+
+def check_drafter_path(algo: str, path) -> None:
+    """ValueError unless `path` is a local drafter directory (SGLang reads its config.json before
+    any algorithm-specific check, see `mfd_sglang.patches.launch_checks`)."""
+    if not path:
+        raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path DIR: a "
+                         "DFlash or MFD drafter directory (config.json + safetensors) trained for "
+                         "this target.")
+    if not Path(path).is_dir():
+        raise ValueError(f"--speculative-draft-model-path {path}: no such directory. MFD loads drafters "
+                         "from a local directory (config.json + *.safetensors); download or convert "
+                         "the drafter first.")
+
+
+def check_capturable_layers(ckpt, target) -> None:
+    """SGLang captures a target layer's output as the input of the next layer, so the last layer's
+    output (which HF reports after the final norm) cannot feed the drafter."""
+    from mfd_sglang.checkpoint import field_error, target_text_config
+
+    num_layers = target_text_config(target).get("num_hidden_layers")
+    bad = [i for i in ckpt.config.target_layer_ids if i >= num_layers - 1]
+    if bad:
+        raise field_error("dflash_config.target_layer_ids", list(ckpt.config.target_layer_ids),
+                          f"layer indices below {num_layers - 1} (the target's last layer cannot be captured "
+                   f"in SGLang; offending: {bad})", "Train the drafter on earlier target layers.")
