@@ -8,7 +8,8 @@ draw it at that point of the request's output:
 - greedy batches take the argmax (`verify_tree_greedy`); otherwise one target sample per node
   (`verify_tree_sampling`: lossless at any temperature, SGLang's top-k / top-p / min-p law) from each
   request's own seeded stream (`request_sampling`), so the output does not depend on the tree;
-- the first token after a prompt is drawn by the same law and stream (`sample_first_tokens`).
+- the first token after a prompt is drawn from the prefill's adjusted logits by the same law and
+  stream (`sample_first_tokens`).
 Torch on the batch's device, fixed shapes, no host sync.
 """
 
@@ -25,7 +26,8 @@ from mfd_sglang.tree_layout import VerifyLayout
 from mfd_sglang.verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
                                verify_tree_sampling)
 
-from .penalties import OutputPenalties, adjust_tree_logits, cumulate, output_penalties, path_token_counts
+from .penalties import (OutputPenalties, adjust_tree_logits, count_resumed_output, cumulate, output_penalties,
+                        path_token_counts)
 
 
 def request_sampling(batch) -> Sampling:
@@ -81,12 +83,23 @@ def accept_tree(tree: DraftTree, layout: VerifyLayout, logits: torch.Tensor, bat
     return result, logits
 
 
-def sample_first_tokens(batch, logits: torch.Tensor) -> torch.Tensor:
-    """The token after each prompt (at its last token, position seq_len - 1) from the adjusted logits
-    [bs, V], by the same law and seeded stream as the verify rounds."""
+def sample_first_tokens(batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token after each prompt (at its last token, position seq_len - 1) from the target's logits
+    [bs, V], adjusted as the plain server's prefill does (penalties of a retracted request's output so
+    far, min_new_tokens, logit_bias; the grammar's mask at its start state), by the same law and seeded
+    stream as the verify rounds. Also returns the adjusted logits (float32)."""
+    logits = logits.float()
+    penalties = output_penalties(batch.sampling_info)
+    if penalties is not None:  # the output so far: none, or a retracted request's
+        count_resumed_output(penalties, batch.reqs, logits.device)
+        adjust_tree_logits(logits[:, None, :], penalties, torch.zeros_like(logits[:, :1], dtype=torch.int64))
+    if batch.has_grammar:  # SGLang's own prefill mask
+        batch.sampling_info.update_regex_vocab_mask()
+        batch.sampling_info.grammar_mask.apply(logits)
+        batch.sampling_info.grammar_mask = None
     if batch.sampling_info.is_all_greedy:
-        return logits.argmax(dim=-1)
-    return sample_from_logits(logits.float(), request_sampling(batch), batch.seq_lens - 1)
+        return logits.argmax(dim=-1), logits
+    return sample_from_logits(logits, request_sampling(batch), batch.seq_lens - 1), logits
 
 
 def pad_result(result: TreeVerifyResult, width: int) -> TreeVerifyResult:

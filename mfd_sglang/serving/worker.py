@@ -52,7 +52,6 @@ from .draft_stage import DraftStage
 from .memory import drafter_memory_plan
 from .options import budget_from_num_draft_tokens, draft_quantization, read_options
 from .outputs import first_token_outputs, round_outputs
-from .penalties import adjust_tree_logits, count_resumed_output, output_penalties
 from .target_checks import check_target_runner, check_tree_verify_attention
 from .tree_verify import VerifiedTree, layout_verify_input, reserved_lens, verify_tree
 
@@ -176,16 +175,7 @@ class MFDWorkerV2(BaseSpecWorker):
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:  # the lengths are known: the scheduler may prepare the next batch
             on_publish(result.new_seq_lens)
-        logits = result.logits_output.next_token_logits.float()
-        penalties = output_penalties(batch.sampling_info)
-        if penalties is not None:  # the output so far: none, or a retracted request's
-            count_resumed_output(penalties, batch.reqs, logits.device)
-            adjust_tree_logits(logits[:, None, :], penalties, torch.zeros_like(logits[:, :1], dtype=torch.int64))
-        if batch.has_grammar:  # the grammars' masks at their start state (SGLang's own prefill mask)
-            batch.sampling_info.update_regex_vocab_mask()
-            batch.sampling_info.grammar_mask.apply(logits)
-            batch.sampling_info.grammar_mask = None
-        result.next_token_ids = sample_first_tokens(batch, logits)
+        result.next_token_ids, logits = sample_first_tokens(batch, result.logits_output.next_token_logits)
         if not batch.sampling_info.is_all_greedy:
             self.from_rank0(result.next_token_ids)
         first_token_outputs(batch, result.logits_output, logits, result.next_token_ids)
