@@ -203,6 +203,27 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    import torch
+    from .lab import diagnostics, evaluate
+
+    if args.every < 1:
+        print(f"error: --every must be >= 1, got {args.every}", file=sys.stderr)
+        return 2
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    target, drafters, prompt_sets, eos = evaluate.load_inputs(
+        args.target, args.single, args.mfd, dtype, sets=args.sets.split(","), limit=args.limit,
+        prompts_file=args.prompts_file)
+    prompt_sets = {name: prompts[::args.every] for name, prompts in prompt_sets.items()}
+    results = diagnostics.diagnose(target, drafters["single"], drafters["mfd"], prompt_sets, args.budgets,
+                                   args.max_new_tokens, eos)
+    print(diagnostics.format_table(results, args.budgets))
+    if args.out:
+        diagnostics.write_results(results, Path(args.out), "python -m mfd_sglang " + " ".join(args.argv), args.budgets)
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}", file=sys.stderr)
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -238,7 +259,7 @@ def _train(args: argparse.Namespace) -> int:
         steps=args.steps, batch_size=args.batch_size, anchors=args.anchors, block_size=args.block_size,
         layers=args.layers, lr=args.lr, warmup=args.warmup, seed=args.seed, dtype=args.dtype,
         draft_vocab_size=args.draft_vocab_size, save_every=args.save_every, loss=args.loss,
-        max_seq_len=args.max_seq_len, mode_gate=args.mode_gate,
+        max_seq_len=args.max_seq_len, mode_gate=args.mode_gate, gate_steps=args.gate_steps, gate_lr=args.gate_lr,
     )
     try:
         train(cfg, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after,
@@ -404,6 +425,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a tau vs budget PNG here")
     p.set_defaults(func=_eval)
 
+    p = sub.add_parser("diagnose", help="the paper's diagnostics of DDTree vs MFD trees: nodes the target all but "
+                                        "never takes, covered target mass per depth, forks (by replay, T = 0)",
+                       description="At every anchor (round start) of each held-out prompt's greedy continuation, the "
+                                   "DDTree tree of the single-mode drafter and the MFD tree, at every budget, are scored "
+                                   "by the target: per depth, the share of nodes whose last step the target takes with "
+                                   "probability < 1% (the paper's Figure 3 left) and the target's probability mass the "
+                                   "nodes cover (Figure 3 right); the share of anchors where a runner-up token of >= 10% "
+                                   "leads elsewhere within the tree's depth, and the share of MFD's gain over DDTree they "
+                                   "carry. Beside them: tau per anchor, the drafter's covered mass, DDTree's chimera share "
+                                   "(as `eval` reports them).")
+    p.add_argument("--target", required=True, help="HF model directory of the target")
+    p.add_argument("--single", required=True, help="single-mode drafter (DDTree)")
+    p.add_argument("--mfd", required=True, help="MFD drafter (K modes)")
+    p.add_argument("--sets", default="code,chat,math", help="held-out prompt sets (chat template applied)")
+    p.add_argument("--prompts-file", help="JSON list of raw prompts instead of --sets (no chat template)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    p.add_argument("--every", type=int, default=1, help="keep every N-th prompt of each set (default 1: all)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64], help="tree budgets (default 8 16 32 64)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="greedy continuation per prompt (default 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="target and drafters (default float32)")
+    p.add_argument("--out", help="write the results as JSON here and a Markdown table next to it (.md)")
+    p.set_defaults(func=_diagnose)
+
     p = sub.add_parser(
         "train", help="train a DFlash (K = 1) or MFD (K modes) drafter on target-regenerated responses",
         description="Regenerate training data with the target (greedy answers to the TRAINING split of the "
@@ -453,6 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode-gate", action="store_true",
                    help="K > 1: also train the mode gate (mode_prior.*), a K-way softmax on the drafter's state at the "
                         "block's anchor with each block's winning mode as the label; the tree then weighs each mode by it")
+    p.add_argument("--gate-steps", type=int, default=0, metavar="N",
+                   help="with --mode-gate: after --steps, N more steps train only the gate on the finished modes' "
+                        "winners, the body frozen bit for bit (the gate alongside the body learns from modes still "
+                        "forming at the body's small lr). --steps 0 with --init-from an MFD drafter of the same K: gate "
+                        "that drafter after the fact (default 0)")
+    p.add_argument("--gate-lr", type=float, default=None,
+                   help="peak learning rate of the --gate-steps (cosine, no warm-up; default 1e-2)")
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="end this call once STEP steps are done in total (saved; continue with --resume): training in "
                         "chunks on a shared machine")

@@ -6,9 +6,14 @@
   greedy tokens while speculating on each; seeded T = 1 requests emit, on either replica, exactly the
   samples a single MFD server is held to (`reference_sample`: plain sampling of the HF target with the
   seed's coins); every replica ends idle and leak-free. Nothing in the worker knows about replicas.
-- Attention data parallelism is refused at launch in every spelling SGLang accepts, after SGLang's
-  resolution rewrote `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1`; so is PD
-  disaggregation on either server; replicas, alone and over TP groups, pass the same resolution.
+- Attention data parallelism (`--tp-size 2 --attn-dp-size 2 --enable-dp-lm-head`: one TP group whose
+  two ranks each attend for their own requests, dispatched round-robin) passes the same checks: every
+  rank starts its worker, concurrent and one-at-a-time requests (the other rank then runs idle
+  prefill and verify forwards in step) are exact, greedy and seeded. Without --enable-dp-lm-head it is
+  refused at launch in every spelling SGLang accepts (after SGLang's resolution rewrote
+  `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1`), as are SGLang's DP prefill
+  coordination and the automatic budget with it; PD disaggregation is refused on either server;
+  replicas, alone and over TP groups, pass the same resolution.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +41,7 @@ DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a cor
 
 # --- SGLang's argument resolution -------------------------------------------------------------------
 RESOLVE = """
-import json, sys
+import json, os, sys
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
 from sglang.srt.server_args import prepare_server_args
@@ -43,7 +49,8 @@ import mfd_sglang.plugin
 
 mfd_sglang.plugin.register()
 pair, results = sys.argv[1], []
-for extra in json.loads(sys.argv[2]):
+for extra, env in json.loads(sys.argv[2]):
+    os.environ.update(env)
     args = prepare_server_args(["--model-path", pair + "/target", "--device", "cpu", "--attention-backend", "mfd_cpu",
                                 "--speculative-algorithm", "MFD", "--speculative-draft-model-path", pair + "/drafter",
                                 *extra])
@@ -53,41 +60,66 @@ for extra in json.loads(sys.argv[2]):
                         "attn_dp_size": resolution_result(args, "attn_dp_size")})
     except ValueError as e:
         results.append({"error": str(e)})
+    for name in env:
+        del os.environ[name]
 print(json.dumps(results))
 """
 
 
-def resolve(tiny_pair, *argvs: list[str]) -> list[dict]:
+def resolve(tiny_pair, *argvs: list[str], env: dict | None = None) -> list[dict]:
     """SGLang 0.5.23's own CLI parsing and resolution pipeline (where MFD's `validate_server_args` runs)
-    of an MFD launch with each extra argument list: the resolved layout, or the refusal's message."""
-    out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(argvs)], cwd=REPO,
+    of an MFD launch with each extra argument list (under the environment variables `env`): the resolved
+    layout, or the refusal's message."""
+    cases = [(argv, env or {}) for argv in argvs]
+    out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(cases)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_attention_dp_and_pd_are_refused_and_replicas_pass(tiny_pair):
+def test_pd_and_attention_dp_without_dp_lm_head_are_refused_and_replicas_pass(tiny_pair):
     old, new, alias, prefill, decode, replicas, replicated_tp = resolve(
         tiny_pair, ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], ["--tp-size", "2", "--attn-dp-size", "2"],
         ["--tp-size", "2", "--attention-data-parallel-size", "2"], ["--disaggregation-mode", "prefill"],
         ["--disaggregation-mode", "decode"], ["--dp-size", "2"], ["--tp-size", "2", "--dp-size", "2"])
     for refused in (old, new, alias):
         assert "--attn-dp-size 2 (attention data parallelism" in refused.get("error", ""), refused
+        assert "needs --enable-dp-lm-head" in refused["error"], refused
     for mode, refused in (("prefill", prefill), ("decode", decode)):
         assert f"--disaggregation-mode {mode}: PD disaggregation is not supported" in refused.get("error", ""), refused
     assert replicas == {"dp_size": 2, "attn_dp_size": 1}
     assert replicated_tp == {"dp_size": 2, "attn_dp_size": 1}
 
 
+def test_attention_dp_with_dp_lm_head_passes_in_either_spelling_and_its_limits_are_refused(tiny_pair):
+    attention_dp = ["--tp-size", "2", "--attn-dp-size", "2", "--enable-dp-lm-head"]
+    new, old = resolve(tiny_pair, attention_dp, ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+                                                 "--enable-dp-lm-head"])
+    assert new == old == {"dp_size": 1, "attn_dp_size": 2}
+    [coordinated] = resolve(tiny_pair, attention_dp, env={"SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION": "1"})
+    assert "with SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION set" in coordinated.get("error", ""), coordinated
+    [auto] = resolve(tiny_pair, attention_dp, env={"MFD_SGLANG_AUTO_BUDGET": "1"})
+    assert "MFD_SGLANG_AUTO_BUDGET=1 with --tp-size 2" in auto.get("error", ""), auto
+
+
 # --- data-parallel replicas -------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["MFD", "MFD_D"])
+LAYOUTS = {  # (--dp-size, --attn-dp-size) as /server_info reports them: the launch arguments
+    (2, 1): ("--dp-size", "2"),
+    (1, 2): ("--tp-size", "2", "--attn-dp-size", "2", "--enable-dp-lm-head"),
+}
+
+
+@pytest.fixture(scope="module", params=[("MFD", (2, 1)), ("MFD_D", (2, 1)), ("MFD_D", (1, 2))],
+                ids=["MFD-replicas", "MFD_D-replicas", "MFD_D-attention_dp"])
 def dp_server(request, tiny_pair, tmp_path_factory):
-    """Two replicas of MFD or MFD_D (switching to the single-mode path at 2 running requests, so a
-    replica runs both paths below)."""
-    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", request.param, 8, log_level="info",
-                       threshold=2 if request.param == "MFD_D" else None, extra_args=("--dp-size", "2"),
-                       extra_env=DP_ENV)
-    srv.algorithm = request.param
+    """Two replicas, or two attention-DP ranks (one TP group of two ranks, each attending for its own
+    requests; the MLP runs over both ranks' tokens, so a rank without requests runs idle forwards while
+    the other serves), of MFD or MFD_D (switching to the single-mode path at 2 running requests, so a
+    rank runs both paths below)."""
+    algorithm, layout = request.param
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", algorithm, 8, log_level="info",
+                       threshold=2 if algorithm == "MFD_D" else None, extra_args=LAYOUTS[layout], extra_env=DP_ENV)
+    srv.algorithm, srv.layout = algorithm, layout
     yield from served_without_leaks(srv)
 
 
@@ -95,12 +127,12 @@ def prompt_ids(tok, tiny_prompts) -> list[list[int]]:
     return [tok(text, add_special_tokens=False)["input_ids"] for text in tiny_prompts[:4]]
 
 
-def test_each_replica_runs_its_own_worker(dp_server):
+def test_each_dp_rank_runs_its_own_worker(dp_server):
     info = requests.get(dp_server.base_url + "/server_info", timeout=60).json()
-    assert (info["dp_size"], info["attn_dp_size"]) == (2, 1)
+    assert (info["dp_size"], info["attn_dp_size"]) == dp_server.layout
     log = dp_server.log()
-    for rank in (0, 1):
-        assert f"DP{rank}] {dp_server.algorithm} worker: drafter" in log, log_tail(dp_server.log_path)
+    for rank in (0, 1):  # a replica's log prefix is "DP0]", an attention-DP rank's "DP0 TP0]"
+        assert re.search(rf"DP{rank}( TP{rank})?\] {dp_server.algorithm} worker: drafter", log), log_tail(dp_server.log_path)
 
 
 def test_concurrent_greedy_requests_are_spread_over_both_replicas_and_exact(dp_server, hf_target, tiny_prompts):

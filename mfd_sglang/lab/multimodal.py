@@ -42,9 +42,10 @@ best B-node tree's (the ceiling), `splice_chimeras` / `chimera_bound` the paper'
 reported), draws the drafters' data from the target at T = 1, and trains with the project's own
 `train` a base single-mode drafter from random weights, then from that base, with the same data and
 steps, the single-mode drafter (chain, DDTree) and the K-mode MFD drafter with its mode gate, as the
-paper fine-tunes its D-PACE baseline and MFD alike. The reference engine then runs chain / DDTree /
-MFD (the gate's mode weights in the tree) / the same MFD drafter unweighted at every budget and
-T = 0, 1 on two kinds of rounds: whole generations, and fork rounds (the prompt ends just before a
+paper fine-tunes its D-PACE baseline and MFD alike; then the gate alone learns the finished modes'
+winners (`train`'s gate_steps, the body frozen). The reference engine then runs chain / DDTree / MFD
+(the gate's mode weights in the tree) / the same MFD drafter unweighted at every budget and T = 0, 1
+on two kinds of rounds: whole generations, and fork rounds (the prompt ends just before a
 marker, so the first round's drafted block is exactly one whole future). Beside the best tree (the
 ceiling: it knows the universe, cue included), the blind ceiling is the best tree of the law the
 drafters can know (`continuations(blind=True)`: a cued future uniform), on the same output.
@@ -643,6 +644,7 @@ class Settings:
     data_sequences: int = 512
     base_steps: int = 300  # the base single-mode drafter, from random weights
     steps: int = 300  # each drafter's fine-tuning from the base: single-mode and MFD alike
+    gate_steps: int | None = None  # then the MFD gate alone, body frozen (`TrainConfig.gate_steps`); None: steps
     num_modes: int = 4
     base_lr: float = 3e-3
     lr: float = 1e-3
@@ -752,20 +754,21 @@ def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool 
     write_seed_drafter(outdir / "drafters" / "seed", target, tokenizer, generator)
     stage("data", t0)
 
-    def run_train(name: str, init: str, num_modes: int, steps: int, lr: float) -> Path:
+    def run_train(name: str, init: str, num_modes: int, steps: int, lr: float, gate_steps: int = 0) -> Path:
         t = time.perf_counter()
         log(f"[make-multimodal] drafter {name}: K = {num_modes}, {steps} steps from {init}")
         out = outdir / "drafters" / name
         train(TrainConfig(target=str(outdir / "target"), out=str(out), data=str(outdir / "data.jsonl"),
                           num_modes=num_modes, init_from=str(outdir / "drafters" / init), steps=steps,
                           batch_size=settings.batch_size, anchors=settings.anchors, lr=lr, seed=settings.seed,
-                          save_every=steps, mode_gate=num_modes > 1), progress=progress, log=log)
+                          save_every=steps, mode_gate=num_modes > 1, gate_steps=gate_steps), progress=progress, log=log)
         stage(f"drafter_{name}", t)
         return out
 
     run_train("base", "seed", 1, settings.base_steps, settings.base_lr)
     single_dir = run_train("single", "base", 1, settings.steps, settings.lr)
-    mfd_dir = run_train("mfd", "base", settings.num_modes, settings.steps, settings.lr)
+    mfd_dir = run_train("mfd", "base", settings.num_modes, settings.steps, settings.lr,
+                        settings.steps if settings.gate_steps is None else settings.gate_steps)
     single = MFDDrafter.from_checkpoint(load_drafter(single_dir))
     mfd = MFDDrafter.from_checkpoint(load_drafter(mfd_dir))
 

@@ -18,7 +18,12 @@ default path (`default_mode_embed`) can be trained alongside on every example wi
 The mode gate (`mode_prior`, when the drafter has one) learns that best mode as its label:
 cross-entropy of `MFDDrafter.mode_log_prior` on the anchor states, which are detached, and the
 body's gradient clipping leaves the gate out, so the gate never changes what the modes learn (the
-same run without a gate trains the same body).
+same run without a gate trains the same body). Alongside the body its labels come from modes that
+are still forming and its steps are the body's small ones: measured in `make-multimodal`, such a gate
+weighs the futures .32/.37/.17/.14 where its own final labels say .41/.30/.17/.13. So `gate_steps`
+more steps follow the body's: the body frozen (bit for bit), only the gate trained on the finished
+modes' winners at its own `gate_lr` (cosine from it). With `steps` 0 and `init_from` an MFD drafter of
+the same K, that phase alone gates a trained drafter after the fact.
 
 Labels past the end of a sequence, or outside the drafter's draft vocabulary, are ignored (no loss);
 for D-PACE a label past the end stops the chain, a label outside the draft vocabulary has q = 0.
@@ -48,6 +53,7 @@ DPACE_ALPHA = 0.5
 LOSSES = ("dpace", "decay")
 STATE_DIR = "train_state"  # inside --out: resumable state, log, the run's settings
 GRAD_CLIP = 1.0
+GATE_LR = 1e-2  # measured on make-multimodal: the gate's pi settles in ~300 steps (the body's 1e-3: not in 1000)
 
 
 def position_weights(num_positions: int, device=None) -> torch.Tensor:
@@ -264,8 +270,12 @@ class TrainConfig:
     winner_share: float = WINNER_SHARE
     max_seq_len: int = 512
     mode_gate: bool = False  # also train the mode gate (K > 1): the tree's per-request mode weights
+    gate_steps: int = 0  # then this many gate-only steps, the body frozen (needs mode_gate)
+    gate_lr: float | None = None  # the gate-only steps' peak learning rate (cosine, no warm-up); None: GATE_LR
     # Settings that may change between a run and its --resume without changing what is computed.
     RESUMABLE_CHANGES = ("out", "data", "save_every")
+    # Added later: left out of the fingerprint without gate-only steps, so runs saved before them resume.
+    GATE_PHASE = ("gate_steps", "gate_lr")
 
 
 @dataclass
@@ -440,7 +450,8 @@ def _fingerprint(cfg: TrainConfig, sequences) -> dict:
     digest = hashlib.sha256()
     for ids, prompt_len in sequences:
         digest.update(json.dumps([prompt_len, ids]).encode())
-    settings = {k: v for k, v in asdict(cfg).items() if k not in TrainConfig.RESUMABLE_CHANGES}
+    left_out = TrainConfig.RESUMABLE_CHANGES + (() if cfg.gate_steps else TrainConfig.GATE_PHASE)
+    settings = {k: v for k, v in asdict(cfg).items() if k not in left_out}
     return {"settings": settings, "data_sha256": digest.hexdigest(), "sequences": len(sequences)}
 
 
@@ -487,6 +498,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         raise ValueError(f"--num-modes must be >= 1, got {cfg.num_modes}")
     if cfg.mode_gate and cfg.num_modes < 2:
         raise ValueError(f"--mode-gate weighs K >= 2 modes, got --num-modes {cfg.num_modes}")
+    if cfg.gate_steps < 0 or (cfg.gate_steps and not cfg.mode_gate):
+        raise ValueError(f"--gate-steps {cfg.gate_steps}: needs --mode-gate and a count >= 0")
     if cfg.loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {cfg.loss!r}")
     if cfg.dtype not in DTYPES:
@@ -555,18 +568,23 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                 fh.write(json.dumps(line) + "\n")
         pending_log.clear()
 
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    total = cfg.steps + cfg.gate_steps
+    end = total if stop_after is None else min(total, stop_after)
     losses: list[float] = []
     wins_total = torch.zeros(drafter.cfg.num_modes, dtype=torch.long)
     pending: list[dict] = []
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
+    bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="step")
     smooth = None
     drafter.train()
     try:
         while step < end:
+            gate_only = step >= cfg.steps
+            if gate_only:
+                for p in body_params:  # no graph and no gradient for the body: AdamW skips it
+                    p.requires_grad_(False)
             rows = torch.randint(0, len(sequences), (cfg.batch_size,), generator=generator).tolist()
             tokens, lengths, prompt_lengths, width = _batch(sequences, rows, block_size, pad_id)
             anchors = sample_response_anchors(generator, prompt_lengths, lengths, cfg.anchors)
@@ -576,9 +594,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             with autocast:
                 result = block_loss(drafter, embed, lm_head, tokens, features, anchors, lengths=lengths,
                                     loss=cfg.loss, alpha=cfg.alpha, winner_share=cfg.winner_share,
-                                    default_path=default_path)
-            lr = cosine_lr(step, cfg.steps, peak, warmup)
-            optimizer_step(optimizer, result.loss, lr, clip_params=body_params)
+                                    default_path=default_path and not gate_only)
+            if gate_only:
+                lr = cosine_lr(step - cfg.steps, cfg.gate_steps, cfg.gate_lr or GATE_LR, 1)
+                optimizer_step(optimizer, result.loss, lr)
+            else:
+                lr = cosine_lr(step, cfg.steps, peak, warmup)
+                optimizer_step(optimizer, result.loss, lr, clip_params=body_params)
             step += 1
             value = float(result.loss.detach())
             losses.append(value)
@@ -611,5 +633,5 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     if drafter.cfg.num_modes > 1 and wins_total.sum() > 0:
         usage = (wins_total.float() / wins_total.sum()).tolist()
         log(f"[train] mode usage (share of examples won): {' '.join(f'{u:.2f}' for u in usage)}")
-    log(f"[train] step {step}/{cfg.steps}: wrote {out}")
+    log(f"[train] step {step}/{total}: wrote {out}")
     return TrainResult(out, step, losses, usage)

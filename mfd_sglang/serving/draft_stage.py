@@ -17,6 +17,8 @@ are vocabulary shards; the drafter runs whole on every rank and needs every row,
 once at start (one full copy per rank, counted in the memory plan) rather than a per-shard top-B and an
 all-gather every round. Every rank then drafts the same tree from the same all-reduced hidden states
 with the same deterministic kernels (SGLang's DFLASH draft relies on the same): no broadcast needed.
+Under attention data parallelism the embeddings and (with --enable-dp-lm-head) the head are sharded over
+the attention-TP group, the ranks that run one batch, and are gathered there (`full_rows`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class DraftStage:
         self.graphs: BatchGraphs | None = None
 
     @classmethod
-    def for_target(cls, ckpt: DrafterCheckpoint, model_runner, tp_group, *, fp8_linears: bool,
+    def for_target(cls, ckpt: DrafterCheckpoint, model_runner, *, fp8_linears: bool,
                    num_modes: int | None) -> "DraftStage":
         """The stage of drafter checkpoint `ckpt` on the target of `model_runner` (its first `num_modes`
         modes when set; fp8_linears: attention and MLP linears in e4m3)."""
@@ -60,11 +62,9 @@ class DraftStage:
         if num_modes is not None:
             drafter.mode_embed.data = drafter.mode_embed.data[:num_modes]
         target, vocab = model_runner.model, model_runner.model_config.vocab_size
-        embed, head = target.get_input_embeddings().weight, target.lm_head.weight
-        tied = head is embed
-        if tp_group.world_size > 1:
-            embed = tp_group.all_gather(embed, dim=0)
-            head = embed if tied else tp_group.all_gather(head, dim=0)
+        embed_module = target.get_input_embeddings()
+        embed = full_rows(embed_module)
+        head = embed if target.lm_head.weight is embed_module.weight else full_rows(target.lm_head)
         return cls(drafter, embed[:vocab], drafter.head_weight(head[:vocab]), device=device)
 
     @property
@@ -138,3 +138,12 @@ class DraftStage:
     def with_layout(tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
         """(tree, its SGLang verify layout under `roots` at positions seq_lens)."""
         return tree, tree_to_verify_layout(tree, roots, seq_lens)
+
+
+def full_rows(module) -> torch.Tensor:
+    """The whole vocabulary's rows of an SGLang embedding or head, gathered on the module's own group when
+    it is sharded: the TP group, or the attention-TP group under attention DP (a padded vocabulary's
+    padding rows come last: shards are consecutive ranges of it)."""
+    if getattr(module, "tp_size", 1) > 1:
+        return module.tp_group.all_gather(module.weight, dim=0)
+    return module.weight

@@ -7,8 +7,8 @@ SGLang hands a registered algorithm's callbacks its recording stand-in for `Serv
 
 - `validate_server_args(server_args)`, the algorithm's validator (`algorithms.register_algorithms`):
   a ValueError, whose message names the flag and the fix, for every configuration MFD cannot serve:
-  `unsupported_configuration` (pipeline / attention data parallelism, PD disaggregation, HiCache,
-  ...), a target whose tree verify SGLang would get silently wrong (`target_checks.target_refusal`),
+  `unsupported_configuration` (pipeline parallelism, attention data parallelism without
+  --enable-dp-lm-head, PD disaggregation, HiCache, ...), a target whose tree verify SGLang would get silently wrong (`target_checks.target_refusal`),
   plugin options that do not fit, and a drafter that is missing (`check_drafter_path`), or does not
   fit the target (`checkpoint.check_fits_target`, `check_capturable_layers`).
 - `resolve_server_args(server_args)`, the spec class's `handle_server_args`: fills the fields MFD
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -98,17 +99,35 @@ def attention_dp_size(server_args) -> int:
     return attn_dp
 
 
+def attention_dp_problems(server_args) -> list[str]:
+    """What MFD cannot serve under attention data parallelism, as SGLang's DFLASH refuses it: each DP rank
+    computes its own requests' full-vocabulary logits and the drafter reads whole embedding and head rows,
+    so the head must be sharded inside the attention-TP group (--enable-dp-lm-head); no attention context
+    parallelism; SGLang's DP prefill coordination (which mixes prefill and verify rows in one step) off."""
+    attn_dp = attention_dp_size(server_args)
+    if attn_dp == 1:
+        return []
+    spelled = (f"--attn-dp-size {attn_dp} (attention data parallelism; SGLang also accepts it as "
+               f"--dp-size {attn_dp} --enable-dp-attention)")
+    problems = []
+    if not getattr(server_args, "enable_dp_lm_head", False):
+        problems.append(f"{spelled} needs --enable-dp-lm-head, as SGLang's DFLASH does (each DP rank verifies "
+                        "its own requests over the full vocabulary)")
+    if int(getattr(server_args, "attn_cp_size", 1) or 1) != 1:
+        problems.append(f"{spelled} with --attn-cp-size {server_args.attn_cp_size}: attention context "
+                        "parallelism is not supported")
+    if os.environ.get("SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION", "0").lower() not in ("0", "false", ""):
+        problems.append(f"{spelled} with SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION set: MFD needs prefill and "
+                        "verify rounds apart (unset it, as SGLang's DFLASH requires)")
+    return problems
+
+
 def unsupported_configuration(server_args) -> list[str]:
     """What in `server_args` MFD does not serve, one message per flag (empty when nothing)."""
     problems = []
     if int(server_args.pp_size or 1) > 1:
         problems.append(f"--pp-size {server_args.pp_size}: pipeline parallelism is not supported")
-    attn_dp = attention_dp_size(server_args)
-    if attn_dp > 1:
-        problems.append(f"--attn-dp-size {attn_dp} (attention data parallelism; SGLang also accepts it as "
-                        f"--dp-size {attn_dp} --enable-dp-attention) is not supported: the ranks of one TP group "
-                        "would hold different batches, with idle ranks, and MFD broadcasts one accepted path "
-                        "over the whole TP group. Use --dp-size N without --enable-dp-attention (replicas)")
+    problems += attention_dp_problems(server_args)
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         problems.append(f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation is not "
                         "supported (the drafter context of the prompt does not move with the target's KV, and "

@@ -7,7 +7,7 @@ token, which is exactly what `DraftContextPool` holds per KV slot). What it does
   drafter weights   the drafter's own tensors (it borrows the target's embeddings and head; a
                     draft vocabulary copies its rows of the head once; under tensor parallelism
                     every rank holds a gathered full copy of the embeddings, and of the head when
-                    it is not tied, beside the target's own vocabulary shards); with
+                    it is not tied (sharded over the attention-TP group under attention DP), beside the target's own vocabulary shards); with
                     --speculative-draft-model-quantization fp8 the attention and MLP linears hold one
                     byte per weight and a float32 scale per output channel (`drafter_weight_bytes`);
   draft working set one draft + tree round at batch bs (what the draft CUDA graph of that batch
@@ -264,12 +264,15 @@ def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embe
     """The plan of the drafter checkpoint `ckpt` served by `server_args` with tree budget B over a target
     vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_graphs: the automatic
     budget's extra tree-verify graphs are captured (a GPU server with MFD_SGLANG_AUTO_BUDGET=1)."""
+    from .launch import attention_dp_size
     from .options import draft_quantization
 
     graphs = verify_graph_plan(server_args, budget) if verify_graphs else None
+    # The vocabulary is sharded over the ranks that run one batch: the attention-TP group under attention DP.
+    vocab_shards = int(server_args.tp_size or 1) // attention_dp_size(server_args)
     weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())  # as at launch
     return memory_plan(ckpt.config, weights, dtype_bytes=dtype_bytes, budget=budget, vocab=vocab, num_modes=num_modes,
-                       tp_size=int(server_args.tp_size or 1), tied_embeddings=tied_embeddings,
+                       tp_size=vocab_shards, tied_embeddings=tied_embeddings,
                        verify_graph_bytes=graphs.total_bytes() if graphs else 0,
                        draft_quantization=draft_quantization(server_args))
 

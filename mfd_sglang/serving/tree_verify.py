@@ -4,13 +4,20 @@ through SGLang 0.5.23's tree-verify path.
 `tree_verify_input` is the one place MFD builds SGLang's `EagleVerifyInput` (a top-k 1 input whose
 FULL_MASK custom mask carries the tree; hidden states of every verified token captured for the
 drafter): from a round's `VerifyLayout`, or, with no layout, the input a tree-verify CUDA graph is
-captured with (`verify_graph`), whose buffers bring the rest at replay.
+captured with (`verify_graph`), whose buffers bring the rest at replay. An idle attention-DP rank's
+input is SGLang's own empty one (`idle_verify`).
 
 `verify_tree` runs one verify: `eagle_prepare_for_verify` (SGLang's own preparation: KV slots of the
 window, the mask packed for the attention backend) and the target worker's `forward_batch_generation`
 with `is_verify=True` (full-vocabulary logits of every node; on a GPU a replay of the window's
 tree-verify graph). The window's width is the layout's; the caller activates that width's graphs first
 when it varies (the automatic budget).
+
+Attention DP: the MLP gathers every DP rank's tokens, counted as requests x this rank's window width
+(`spec_scale_global_num_tokens`), so every rank verifies the same width, an idle rank included
+(`idle_verify`); while any rank is idle every rank verifies eagerly, since a graph replay pads its
+count to the captured batch size and the ranks would disagree on the gather's offsets (SGLang's DFLASH
+guards the same).
 """
 
 from __future__ import annotations
@@ -39,13 +46,17 @@ def tree_verify_input(custom_mask: torch.Tensor, num_nodes: int, layout: VerifyL
     """SGLang's tree-verify input of windows of `num_nodes` tokens under `custom_mask`: a round's, with
     its layout's tokens, positions and traversal (spec_steps: the drafter's draft positions), or without
     a layout the capture-time input of a tree-verify graph."""
+    tree = (None,) * 5 if layout is None else (layout.draft_token.flatten(), layout.positions.flatten(),
+                                               layout.retrive_index, layout.retrive_next_token,
+                                               layout.retrive_next_sibling)
+    draft_token, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling = tree
     return EagleVerifyInput(
-        draft_token=None if layout is None else layout.draft_token.flatten(),
+        draft_token=draft_token,
         custom_mask=custom_mask,
-        positions=None if layout is None else layout.positions.flatten(),
-        retrieve_index=None if layout is None else layout.retrive_index,
-        retrieve_next_token=None if layout is None else layout.retrive_next_token,
-        retrieve_next_sibling=None if layout is None else layout.retrive_next_sibling,
+        positions=positions,
+        retrieve_index=retrieve_index,
+        retrieve_next_token=retrieve_next_token,
+        retrieve_next_sibling=retrieve_next_sibling,
         retrieve_cum_len=None,
         spec_steps=spec_steps,
         topk=1,
@@ -81,5 +92,21 @@ def verify_tree(target_worker, batch, layout: VerifyLayout, seq_lens: torch.Tens
     # The target's decode graphs are captured as tree verifies (patches: the tree-verify graph runner).
     forward_batch, _ = eagle_prepare_for_verify(verify_input, target_worker.model_runner.req_to_token_pool,
                                                 verify_batch, target_worker)
+    peer_counts = forward_batch.original_global_num_tokens_cpu  # attention DP: every rank's request count
+    if peer_counts is not None and min(peer_counts) == 0:
+        forward_batch.can_run_decode_cuda_graph = False
     output = target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
     return VerifiedTree(verify_batch, forward_batch, output)
+
+
+def idle_verify(target_worker, batch, num_nodes: int) -> None:
+    """The verify forward of an idle attention-DP rank (no request): windows of `num_nodes` tokens, as
+    its peers verify, eagerly."""
+    verify_input = EagleVerifyInput.create_idle_input(topk=1, spec_steps=1, num_verify_tokens=num_nodes,
+                                                      device=target_worker.device)
+    verify_batch = copy.copy(batch)
+    verify_batch.spec_info = verify_input
+    forward_batch, _ = eagle_prepare_for_verify(verify_input, target_worker.model_runner.req_to_token_pool,
+                                                verify_batch, target_worker)
+    forward_batch.can_run_decode_cuda_graph = False
+    target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)

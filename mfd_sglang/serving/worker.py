@@ -29,7 +29,7 @@ import logging
 import torch
 
 from sglang.srt.configs.hybrid_arch import mambaish_config
-from sglang.srt.distributed import get_tp_group
+from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.runtime_context import get_spec
@@ -53,7 +53,7 @@ from .memory import drafter_memory_plan
 from .options import budget_from_num_draft_tokens, draft_quantization, read_options
 from .outputs import first_token_outputs, round_outputs
 from .target_checks import check_target_runner, check_tree_verify_attention
-from .tree_verify import VerifiedTree, layout_verify_input, reserved_lens, verify_tree
+from .tree_verify import VerifiedTree, idle_verify, layout_verify_input, reserved_lens, verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class MFDWorkerV2(BaseSpecWorker):
         self._draft_worker = None  # BaseSpecWorker.draft_worker: the drafter runs here, not in a TpModelWorker
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
-        self.tp_group = get_tp_group()
+        # The ranks that run this rank's batch: the TP group, or the attention-TP group under attention DP.
+        self.tp_group = get_dp_tp_group()
         # A hybrid Gated DeltaNet target keeps a recurrent / conv state per request, committed each round.
         self.recurrent_target = mambaish_config(self.model_runner.model_config) is not None
         spec = get_spec()
@@ -93,8 +94,7 @@ class MFDWorkerV2(BaseSpecWorker):
         options = read_options()
         ckpt = load_drafter(spec.speculative_draft_model_path)
         self.draft_quantization = draft_quantization(server_args)  # "fp8": attention and MLP linears in e4m3
-        self.drafting = DraftStage.for_target(ckpt, self.model_runner, self.tp_group,
-                                              fp8_linears=self.draft_quantization == "fp8",
+        self.drafting = DraftStage.for_target(ckpt, self.model_runner, fp8_linears=self.draft_quantization == "fp8",
                                               num_modes=options.num_modes)
         self.auto_budget = (AutoBudget(self.budget, single_mode_path=algorithm == "MFD_D", device=self.device)
                             if options.auto_budget else None)
@@ -159,12 +159,14 @@ class MFDWorkerV2(BaseSpecWorker):
     # --- one forward ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
-        if batch.forward_mode.is_idle():
-            raise RuntimeError("MFD does not support idle batches (data-parallel attention is rejected at launch).")
+        # Under attention DP a rank with no request of its own gets an idle batch and still runs the target
+        # forward: the MLP's DP gather spans every rank (SGLang never mixes prefill and verify rounds there).
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             if self.auto_budget is not None:
                 self.auto_budget.other_forward()
             return self.forward_prefill(batch, on_publish)
+        if batch.forward_mode.is_idle():
+            return self.forward_idle_verify(batch, on_publish)
         return self.forward_decode(batch, on_publish, grammar_barrier)
 
     def forward_prefill(self, batch, on_publish):
@@ -175,6 +177,11 @@ class MFDWorkerV2(BaseSpecWorker):
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:  # the lengths are known: the scheduler may prepare the next batch
             on_publish(result.new_seq_lens)
+        if batch.forward_mode.is_idle():
+            result.next_token_ids = torch.empty((0,), dtype=torch.int64, device=self.device)
+            result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids,
+                                                          new_seq_lens=batch.seq_lens)
+            return result
         result.next_token_ids, logits = sample_first_tokens(batch, result.logits_output.next_token_logits)
         if not batch.sampling_info.is_all_greedy:
             self.from_rank0(result.next_token_ids)
@@ -241,6 +248,19 @@ class MFDWorkerV2(BaseSpecWorker):
             extra_keep_alive_refs=[verified.forward_batch],
         )
 
+    def forward_idle_verify(self, batch, on_publish):
+        """An idle attention-DP rank's decode round: the target's verify forward over no request at the
+        window width its peers verify (`idle_verify`), nothing drafted or accepted."""
+        idle_verify(self.target_worker, batch, self.speculative_num_draft_tokens)
+        no_tokens = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if on_publish is not None:
+            on_publish(no_tokens)
+        return GenerationBatchResult(
+            logits_output=None, next_token_ids=no_tokens, accept_lens=no_tokens.to(torch.int32),
+            next_draft_input=make_draft_input_v2(bonus_tokens=no_tokens, new_seq_lens=no_tokens),
+            can_run_cuda_graph=False, speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            new_seq_lens=no_tokens)
+
     # --- the round's arm --------------------------------------------------------------------------
     def choose_arm(self, bs: int) -> Arm:
         """The automatic budget's choice, else the launch budget on MFD_D's path for bs running requests
@@ -262,7 +282,8 @@ class MFDWorkerV2(BaseSpecWorker):
     def from_rank0(self, *tensors: torch.Tensor) -> None:
         """Under tensor parallelism every rank takes rank 0's sampled tokens and accepted path (in place),
         as SGLang's EAGLE / DFLASH workers broadcast theirs: a sampled token draws random numbers, which
-        agree across ranks only while every rank's generator has made the same draws. The tree needs no
+        agree across ranks only while every rank's generator has made the same draws. Under attention DP
+        only inside the attention-TP group: the other ranks hold other batches. The tree needs no
         broadcast (`draft_stage`)."""
         if self.tp_group.world_size == 1:
             return
