@@ -291,6 +291,17 @@ For the make-tiny pair: --target PAIR/target --regenerate-sets tiny (its prompts
 """
 
 
+def add_pair_and_prompts(p: argparse.ArgumentParser, *, single_help: str) -> None:
+    """The inputs `eval` and `diagnose` share (read by `evaluate.load_inputs`): the target, the drafter pair and
+    the held-out prompts."""
+    p.add_argument("--target", required=True, help="HF model directory of the target")
+    p.add_argument("--single", required=True, help=single_help)
+    p.add_argument("--mfd", required=True, help="MFD drafter (K modes)")
+    p.add_argument("--sets", default="code,chat,math", help="held-out prompt sets (chat template applied)")
+    p.add_argument("--prompts-file", help="JSON list of raw prompts instead of --sets (no chat template)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mfd-sglang",
@@ -405,12 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "target alone; every method's rounds are replayed against that continuation (the "
                                    "reference engine's rounds, exactly: every method emits the target's own tokens). "
                                    "Speed: benchmarks/hf_speed.py.")
-    p.add_argument("--target", required=True, help="HF model directory of the target")
-    p.add_argument("--single", required=True, help="single-mode drafter (DFlash, or an MFD drafter's default path)")
-    p.add_argument("--mfd", required=True, help="MFD drafter (K modes)")
-    p.add_argument("--sets", default="code,chat,math", help="held-out prompt sets (chat template applied)")
-    p.add_argument("--prompts-file", help="JSON list of raw prompts instead of --sets (no chat template)")
-    p.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    add_pair_and_prompts(p, single_help="single-mode drafter (DFlash, or an MFD drafter's default path)")
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -435,12 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "leads elsewhere within the tree's depth, and the share of MFD's gain over DDTree they "
                                    "carry. Beside them: tau per anchor, the drafter's covered mass, DDTree's chimera share "
                                    "(as `eval` reports them).")
-    p.add_argument("--target", required=True, help="HF model directory of the target")
-    p.add_argument("--single", required=True, help="single-mode drafter (DDTree)")
-    p.add_argument("--mfd", required=True, help="MFD drafter (K modes)")
-    p.add_argument("--sets", default="code,chat,math", help="held-out prompt sets (chat template applied)")
-    p.add_argument("--prompts-file", help="JSON list of raw prompts instead of --sets (no chat template)")
-    p.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    add_pair_and_prompts(p, single_help="single-mode drafter (DDTree)")
     p.add_argument("--every", type=int, default=1, help="keep every N-th prompt of each set (default 1: all)")
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64], help="tree budgets (default 8 16 32 64)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy continuation per prompt (default 64)")
