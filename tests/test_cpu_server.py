@@ -88,6 +88,13 @@ def test_apply_cpu_defaults_unit():
     assert [f for f, _ in added] == ["--mem-fraction-static", "--disable-cuda-graph", "--sleep-on-idle"]
     assert "--max-total-tokens=100" in argv and argv.count("--device") == 1
     assert apply_cpu_defaults(["--help"]) == (["--help"], [])
+    # A PD decode server backs retracted requests up to CPU tensors (SGLang's host pool is CUDA-pinned).
+    _, added = apply_cpu_defaults(["--model-path", "m", "--disaggregation-mode", "decode"])
+    assert dict(added)["--disaggregation-decode-retraction-backup"] == "cpu_tensor"
+    _, added = apply_cpu_defaults(["--disaggregation-mode=decode", "--disaggregation-decode-retraction-backup", "none"])
+    assert "--disaggregation-decode-retraction-backup" not in dict(added)
+    _, added = apply_cpu_defaults(["--model-path", "m", "--disaggregation-mode", "prefill"])
+    assert "--disaggregation-decode-retraction-backup" not in dict(added)
 
 
 def test_prepare_environment_unit():

@@ -12,8 +12,8 @@
   prefill and verify forwards in step) are exact, greedy and seeded. Without --enable-dp-lm-head it is
   refused at launch in every spelling SGLang accepts (after SGLang's resolution rewrote
   `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1`), as are SGLang's DP prefill
-  coordination and the automatic budget with it; PD disaggregation is refused on either server;
-  replicas, alone and over TP groups, pass the same resolution.
+  coordination and the automatic budget with it, and PD disaggregation with it on either server;
+  replicas, alone and over TP groups, and PD servers pass the same resolution.
 """
 
 from __future__ import annotations
@@ -77,18 +77,26 @@ def resolve(tiny_pair, *argvs: list[str], env: dict | None = None) -> list[dict]
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_pd_and_attention_dp_without_dp_lm_head_are_refused_and_replicas_pass(tiny_pair):
-    old, new, alias, prefill, decode, replicas, replicated_tp = resolve(
+def test_attention_dp_without_dp_lm_head_is_refused_and_replicas_and_pd_pass(tiny_pair):
+    old, new, alias, replicas, replicated_tp, prefill, decode, pd_tp = resolve(
         tiny_pair, ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], ["--tp-size", "2", "--attn-dp-size", "2"],
-        ["--tp-size", "2", "--attention-data-parallel-size", "2"], ["--disaggregation-mode", "prefill"],
-        ["--disaggregation-mode", "decode"], ["--dp-size", "2"], ["--tp-size", "2", "--dp-size", "2"])
+        ["--tp-size", "2", "--attention-data-parallel-size", "2"], ["--dp-size", "2"], ["--tp-size", "2", "--dp-size", "2"],
+        ["--disaggregation-mode", "prefill"], ["--disaggregation-mode", "decode"],
+        ["--disaggregation-mode", "decode", "--tp-size", "2"])
     for refused in (old, new, alias):
         assert "--attn-dp-size 2 (attention data parallelism" in refused.get("error", ""), refused
         assert "needs --enable-dp-lm-head" in refused["error"], refused
-    for mode, refused in (("prefill", prefill), ("decode", decode)):
-        assert f"--disaggregation-mode {mode}: PD disaggregation is not supported" in refused.get("error", ""), refused
     assert replicas == {"dp_size": 2, "attn_dp_size": 1}
     assert replicated_tp == {"dp_size": 2, "attn_dp_size": 1}
+    assert prefill == decode == pd_tp == {"dp_size": 1, "attn_dp_size": 1}  # PD: tests/test_pd_disaggregation.py
+
+
+def test_pd_under_attention_dp_is_refused_on_either_server(tiny_pair):
+    prefill, decode = resolve(tiny_pair, *(["--disaggregation-mode", mode, "--tp-size", "2", "--attn-dp-size", "2",
+                                            "--enable-dp-lm-head"] for mode in ("prefill", "decode")))
+    for mode, refused in (("prefill", prefill), ("decode", decode)):
+        assert (f"--disaggregation-mode {mode} with --attn-dp-size 2: PD disaggregation under attention data "
+                "parallelism is not supported") in refused.get("error", ""), refused
 
 
 def test_attention_dp_with_dp_lm_head_passes_in_either_spelling_and_its_limits_are_refused(tiny_pair):

@@ -54,7 +54,9 @@ def _server_args(tiny_pair, **changes):
     ({"dp_size": 2}, None),  # replicas are served (tests/test_scale_out.py)
     ({"dp_size": 2, "enable_dp_attention": True}, "--attn-dp-size 2 .attention data parallelism"),
     ({"attn_dp_size": 2}, "--attn-dp-size 2 .attention data parallelism"),
-    ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode: PD disaggregation is not supported"),
+    ({"disaggregation_mode": "decode"}, None),  # PD is served (tests/test_pd_disaggregation.py)
+    ({"disaggregation_mode": "prefill", "attn_dp_size": 2, "enable_dp_lm_head": True},
+     "--disaggregation-mode prefill with --attn-dp-size 2: PD disaggregation under attention data parallelism"),
     ({"page_size": 16}, None),  # pages are served (tests/test_mfd_server.py: exact at 4 and 16)
     ({"speculative_num_draft_tokens": 2000}, "tree budget of 1999 nodes"),
     ({"speculative_draft_model_path": None}, "needs --speculative-draft-model-path DIR"),
@@ -120,11 +122,22 @@ def test_unsupported_request_features():
     assert unsupported_request_features(req) == ["return_hidden_states"]
 
 
-def test_context_pool_gathers_what_the_drafter_computes(tiny_pair):
+@pytest.mark.parametrize("page_size", [0, 4])
+@torch.no_grad()
+def test_context_pool_gathers_what_the_drafter_computes(tiny_pair, page_size):
+    """Also when the K/V are the buffers of SGLang's MHATokenToKVPool (page_size > 0): what SGLang's PD
+    transfer registers (its buffer infos) is the memory the drafter writes and reads."""
     torch.manual_seed(0)
     drafter = MFDDrafter.from_checkpoint(load_drafter(tiny_pair / "drafter"), dtype=torch.float32)
     features = drafter.fc.in_features
-    pool = DraftContextPool(drafter, 64, device="cpu", dtype=torch.float32)
+    pool = DraftContextPool(drafter, 64, device="cpu", dtype=torch.float32, page_size=page_size)
+    assert pool.num_slots == 64
+    if page_size:
+        ptrs, lens, item_lens = pool.sglang_pool.get_contiguous_buf_infos()
+        assert ptrs == [t.data_ptr() for t in pool.keys + pool.values]
+        assert set(lens) == {pool.keys[0].numel() * 4} and set(item_lens) == {pool.keys[0][0].numel() * 4 * page_size}
+    else:
+        assert pool.sglang_pool is None
     lengths = [5, 9]
     slots = [torch.randperm(63)[:n] + 1 for n in lengths]  # scattered slots, as the KV allocator gives
     hidden = [torch.randn(n, features) for n in lengths]

@@ -5,7 +5,7 @@
 - ``STANDIN_DIR``: the directory that holds the pure-torch ``sgl_kernel`` stand-in package; it goes
   on ``sys.path`` and ``PYTHONPATH`` (so spawned scheduler / detokenizer processes see it too).
 - ``install()``: registers the CPU HookRegistry hooks (``mfd_sglang.patches.full_mask``, ``cpu_tp``,
-  ``cpu_gated_norm``, ``cpu_mamba_scatter``, ``cpu_dflash``) in this
+  ``cpu_gated_norm``, ``cpu_mamba_scatter``, ``cpu_dflash``, ``cpu_disaggregation``) in this
   process. ``install_if_requested()`` does so only when ``MFD_SGLANG_CPU=1`` (set by the launcher);
   ``mfd_sglang.plugin.register()`` must call it, because SGLang applies hooks per process from the
   plugin entry points (spawned children start with an empty HookRegistry).
@@ -23,13 +23,15 @@ ENV_FLAG = "MFD_SGLANG_CPU"
 
 def install() -> None:
     """Register the hooks SGLang's CPU engine needs (idempotent)."""
-    from mfd_sglang.patches import cpu_dflash, cpu_gated_norm, cpu_mamba_scatter, cpu_tp, full_mask
+    from mfd_sglang.patches import (cpu_dflash, cpu_disaggregation, cpu_gated_norm, cpu_mamba_scatter, cpu_tp,
+                                    full_mask)
 
     full_mask.install()
     cpu_tp.install()
     cpu_gated_norm.install()
     cpu_mamba_scatter.install()
     cpu_dflash.install()
+    cpu_disaggregation.install()
 
 
 def install_if_requested() -> bool:

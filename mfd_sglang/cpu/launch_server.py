@@ -19,11 +19,15 @@ Before SGLang is imported it
    layers: Qwen3.5 / Qwen3.6 Gated DeltaNet) also ``--mamba-radix-cache-strategy no_buffer`` (SGLang's
    default ``extra_buffer`` needs state snapshots its CPU platform lacks), ``--disable-overlap-schedule``
    (``no_buffer`` requires it) and ``--max-mamba-cache-size 256`` (else the recurrent-state pool is
-   sized from host RAM: gigabytes even for a tiny model, and tens of seconds to allocate);
+   sized from host RAM: gigabytes even for a tiny model, and tens of seconds to allocate); for a PD
+   decode server also ``--disaggregation-decode-retraction-backup cpu_tensor`` (the default host pool is
+   CUDA-pinned), and for either PD server ``SGLANG_HOST_IP=127.0.0.1`` and
+   ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0`` in the environment unless set;
 4. registers the CPU hooks (``mfd_sglang.cpu.install``): among them the FULL_MASK hooks
    (``mfd_sglang.patches.full_mask``), the one that lets ``--tp-size`` run on CPU
    (``mfd_sglang.patches.cpu_tp``: gloo instead of PyNccl) and those that let SGLang's own
-   ``--speculative-algorithm DFLASH`` serve on CPU (``mfd_sglang.patches.cpu_dflash``);
+   ``--speculative-algorithm DFLASH`` serve on CPU (``mfd_sglang.patches.cpu_dflash``), and the Mooncake
+   sender's CPU path for PD disaggregation (``mfd_sglang.patches.cpu_disaggregation``);
 then runs ``sglang.launch_server`` as ``__main__`` with the completed argument list.
 """
 
@@ -44,6 +48,16 @@ CPU_DEFAULTS: list[tuple[str, str | None]] = [
     ("--disable-cuda-graph", None),
     ("--sleep-on-idle", None),
 ]
+
+# Added for a PD decode server (`--disaggregation-mode decode`): SGLang's default retraction backup on a
+# decode server is a host pool, pinned with CUDA; `cpu_tensor` copies a retracted request's KV to tensors.
+DECODE_CPU_DEFAULTS: list[tuple[str, str | None]] = [
+    ("--disaggregation-decode-retraction-backup", "cpu_tensor"),
+]
+
+# Set for PD disaggregation unless given: the transfer engine's address (loopback: else it advertises the
+# machine's first private address), and no early send of a prefill's cached prefix (it records a CUDA event).
+DISAGGREGATION_CPU_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
 
 # Added for hybrid linear-attention targets.
 HYBRID_CPU_DEFAULTS: list[tuple[str, str | None]] = [
@@ -86,7 +100,8 @@ def apply_cpu_defaults(argv: list[str]) -> tuple[list[str], list[tuple[str, str 
     """(argv with the CPU defaults the user did not give appended, the defaults added)."""
     if any(a in ("-h", "--help") for a in argv):
         return list(argv), []
-    defaults = CPU_DEFAULTS + (HYBRID_CPU_DEFAULTS if hybrid_target(argv) else [])
+    defaults = (CPU_DEFAULTS + (HYBRID_CPU_DEFAULTS if hybrid_target(argv) else [])
+                + (DECODE_CPU_DEFAULTS if _flag_value(argv, "--disaggregation-mode") == "decode" else []))
     added = [(flag, value) for flag, value in defaults if not _given(argv, flag)]
     out = list(argv)
     for flag, value in added:
@@ -107,6 +122,11 @@ def main(argv: list[str] | None = None) -> None:
 
     prepare_environment()
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if _flag_value(argv, "--disaggregation-mode") in ("prefill", "decode"):
+        for name, value in DISAGGREGATION_CPU_ENV.items():
+            if name not in os.environ:
+                os.environ[name] = value
+                print(f"{PREFIX} PD disaggregation: {name}={value}", flush=True)
     install()  # applied by sglang's load_plugins() inside sglang.launch_server
 
     sys.argv = ["sglang.launch_server", *argv]

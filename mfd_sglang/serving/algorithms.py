@@ -67,7 +67,11 @@ def _spec_class():
             return None
 
         def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
-            return None
+            # The decode server's first round under PD disaggregation: MFD's draft input is DFLASH's (the
+            # first token as the root, the prompt's drafter context already moved with its KV).
+            from sglang.srt.speculative.dflash_disaggregation import build_dflash_disagg_draft_input
+
+            return build_dflash_disagg_draft_input(batch, last_tokens_tensor, future_map)
 
         def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True,
                               needs_confidence_relay=False):

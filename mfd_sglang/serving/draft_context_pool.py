@@ -30,11 +30,26 @@ from mfd_sglang.mode_attention import mode_attention
 
 
 class DraftContextPool:
-    def __init__(self, drafter: MFDDrafter, num_slots: int, *, device, dtype: torch.dtype, deferred_rows: int = 0):
+    def __init__(self, drafter: MFDDrafter, num_slots: int, *, device, dtype: torch.dtype, deferred_rows: int = 0,
+                 page_size: int = 0):
+        """`num_slots` rows per layer. With the target's `page_size` the rows are the buffers of SGLang's own
+        `MHATokenToKVPool` (`sglang_pool`, num_slots - page_size usable slots, as the target's pool has):
+        SGLang's PD disaggregation moves a request's pages of it with the target's KV, as the spec
+        worker's draft KV pool (`MFDWorkerV2.primary_draft_kv_pool`). Else plain tensors (sglang_pool None)."""
         cfg = drafter.cfg
-        shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        if page_size:
+            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+            self.sglang_pool = MHATokenToKVPool(
+                size=num_slots - page_size, page_size=page_size, dtype=dtype, head_num=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=str(device), enable_memory_saver=False,
+                enable_alt_stream=False)
+            self.keys, self.values = list(self.sglang_pool.k_buffer), list(self.sglang_pool.v_buffer)
+        else:
+            self.sglang_pool = None
+            shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
+            self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+            self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.deferred = (DeferredContextWrites(self, drafter, deferred_rows, device=device, dtype=dtype)
                          if deferred_rows else None)
 

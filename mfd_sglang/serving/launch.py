@@ -8,7 +8,7 @@ SGLang hands a registered algorithm's callbacks its recording stand-in for `Serv
 - `validate_server_args(server_args)`, the algorithm's validator (`algorithms.register_algorithms`):
   a ValueError, whose message names the flag and the fix, for every configuration MFD cannot serve:
   `unsupported_configuration` (pipeline parallelism, attention data parallelism without
-  --enable-dp-lm-head, PD disaggregation, HiCache, ...), a target whose tree verify SGLang would get silently wrong (`target_checks.target_refusal`),
+  --enable-dp-lm-head, PD disaggregation with attention DP, HiCache, ...), a target whose tree verify SGLang would get silently wrong (`target_checks.target_refusal`),
   plugin options that do not fit, and a drafter that is missing (`check_drafter_path`), or does not
   fit the target (`checkpoint.check_fits_target`, `check_capturable_layers`).
 - `resolve_server_args(server_args)`, the spec class's `handle_server_args`: fills the fields MFD
@@ -122,17 +122,26 @@ def attention_dp_problems(server_args) -> list[str]:
     return problems
 
 
+def disaggregation_problems(server_args) -> list[str]:
+    """What MFD cannot serve under PD disaggregation. Served: MFD / MFD_D on the prefill server (its worker
+    writes the prompt's drafter context and samples the first token by MFD's law) and on the decode server
+    (the context arrives with the target's KV as the draft KV pool). Refused: with attention data
+    parallelism (an idle rank's PD rounds are not built)."""
+    mode = getattr(server_args, "disaggregation_mode", "null")
+    if mode in (None, "null") or attention_dp_size(server_args) == 1:
+        return []
+    return [f"--disaggregation-mode {mode} with --attn-dp-size {attention_dp_size(server_args)}: PD "
+            "disaggregation under attention data parallelism is not supported (use PD at --tp-size N, or "
+            "attention DP without PD)"]
+
+
 def unsupported_configuration(server_args) -> list[str]:
     """What in `server_args` MFD does not serve, one message per flag (empty when nothing)."""
     problems = []
     if int(server_args.pp_size or 1) > 1:
         problems.append(f"--pp-size {server_args.pp_size}: pipeline parallelism is not supported")
     problems += attention_dp_problems(server_args)
-    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
-        problems.append(f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation is not "
-                        "supported (the drafter context of the prompt does not move with the target's KV, and "
-                        "the decode server's first round has no draft input). Use --dp-size N replicas, or "
-                        "replicas behind sglang-router")
+    problems += disaggregation_problems(server_args)
     if getattr(server_args, "enable_hierarchical_cache", False):
         problems.append("--enable-hierarchical-cache (HiCache) is not supported")
     if getattr(server_args, "speculative_draft_window_size", None) is not None:

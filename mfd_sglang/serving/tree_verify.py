@@ -87,26 +87,26 @@ class VerifiedTree(NamedTuple):
 def verify_tree(target_worker, batch, layout: VerifyLayout, seq_lens: torch.Tensor, spec_steps: int) -> VerifiedTree:
     """One target forward over [root, tree nodes] per request through SGLang's tree-verify path."""
     verify_input = layout_verify_input(layout, seq_lens, int(reserved_lens(batch).sum()), spec_steps)
+    return run_verify(target_worker, batch, verify_input)
+
+
+def idle_verify(target_worker, batch, num_nodes: int) -> None:
+    """The verify forward of an idle attention-DP rank (no request): windows of `num_nodes` tokens, as
+    its peers verify, eagerly."""
+    run_verify(target_worker, batch, EagleVerifyInput.create_idle_input(
+        topk=1, spec_steps=1, num_verify_tokens=num_nodes, device=target_worker.device))
+
+
+def run_verify(target_worker, batch, verify_input: EagleVerifyInput) -> VerifiedTree:
+    """SGLang's preparation of `batch` under `verify_input` and the target's verify forward: eager while this
+    rank or, under attention DP, any rank is idle."""
     verify_batch = copy.copy(batch)
     verify_batch.spec_info = verify_input
     # The target's decode graphs are captured as tree verifies (patches: the tree-verify graph runner).
     forward_batch, _ = eagle_prepare_for_verify(verify_input, target_worker.model_runner.req_to_token_pool,
                                                 verify_batch, target_worker)
     peer_counts = forward_batch.original_global_num_tokens_cpu  # attention DP: every rank's request count
-    if peer_counts is not None and min(peer_counts) == 0:
+    if batch.forward_mode.is_idle() or (peer_counts is not None and min(peer_counts) == 0):
         forward_batch.can_run_decode_cuda_graph = False
     output = target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
     return VerifiedTree(verify_batch, forward_batch, output)
-
-
-def idle_verify(target_worker, batch, num_nodes: int) -> None:
-    """The verify forward of an idle attention-DP rank (no request): windows of `num_nodes` tokens, as
-    its peers verify, eagerly."""
-    verify_input = EagleVerifyInput.create_idle_input(topk=1, spec_steps=1, num_verify_tokens=num_nodes,
-                                                      device=target_worker.device)
-    verify_batch = copy.copy(batch)
-    verify_batch.spec_info = verify_input
-    forward_batch, _ = eagle_prepare_for_verify(verify_input, target_worker.model_runner.req_to_token_pool,
-                                                verify_batch, target_worker)
-    forward_batch.can_run_decode_cuda_graph = False
-    target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)

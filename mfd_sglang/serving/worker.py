@@ -127,7 +127,16 @@ class MFDWorkerV2(BaseSpecWorker):
         self.drafting.init_context_pool(kv_pool.size + kv_pool.page_size, self.model_runner.req_to_token_pool,
                                         device=self.device,
                                         dtype=self.model_runner.model_config.dtype,
-                                        deferred_rows=DEFERRED_CONTEXT_ROWS if self.auto_budget else 0)
+                                        deferred_rows=DEFERRED_CONTEXT_ROWS if self.auto_budget else 0,
+                                        page_size=kv_pool.page_size)
+
+    @property
+    def primary_draft_kv_pool(self):
+        """The drafter context pool as SGLang's KV pool class: under PD disaggregation SGLang registers it as
+        the draft KV pool on both servers and moves a request's pages of it with the target's KV (the prompt's
+        drafter context, written by the prefill server's MFD worker)."""
+        pool = self.drafting.context_pool
+        return None if pool is None else pool.sglang_pool
 
     def init_cuda_graphs(self):
         """CUDA graphs: under the automatic budget the target's tree-verify graphs at every candidate
