@@ -21,15 +21,12 @@ import datetime as dt
 import heapq
 import itertools
 import json
-import random
 import sys
 from pathlib import Path
 
 import torch
 
-from mfd_sglang.checkpoint import load_drafter
-from mfd_sglang.drafter import MFDDrafter
-from mfd_sglang.hf import SpeculativeGenerator, load_target
+from mfd_sglang.hf import SpeculativeGenerator
 from mfd_sglang.lab import multimodal as mm
 from mfd_sglang.tree import DraftTree
 
@@ -83,35 +80,14 @@ class MixtureRuleGenerator(SpeculativeGenerator):
 
 def compare(outdir: Path, log=print) -> dict:
     """{T: {set: {kind: {rule: {B: summary}}}}} over the OUTDIR's own evaluation prompts and settings."""
-    report = json.loads((outdir / "report.json").read_text())
-    settings = mm.Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in report["settings"].items()})
-    universe = mm.universe_for(mm.build_tokenizer())
-    probe_rng = random.Random(settings.seed + 1)  # make_multimodal's draws: the probes, then the prompts
-    mm.corpus(universe, probe_rng, settings.probe_sequences)
-    prompts = mm.evaluation_prompts(universe, probe_rng, settings)
-    target = load_target(outdir / "target")
-    mfd = MFDDrafter.from_checkpoint(load_drafter(outdir / "drafters" / "mfd"))
+    run = mm.load_run(outdir)
+    target, mfd = run.target, run.mfd
     if mfd.mode_prior is None:
         raise SystemExit(f"{outdir}/drafters/mfd has no mode gate: the two rules would weigh nothing")
     engines = {"max": lambda b: SpeculativeGenerator(target, mfd, budget=b),
                "mixture": lambda b: MixtureRuleGenerator(target, mfd, budget=b),
                "max_unweighted": lambda b: SpeculativeGenerator(target, mfd.without_mode_gate(), budget=b)}
-    results: dict = {}
-    for temperature in settings.temperatures:
-        for name in mm.SETS:
-            for kind in mm.KINDS:
-                rows = prompts[kind][name]
-                max_new = settings.max_new_tokens if kind == "generation" else mm.BLOCK_SIZE + 1
-                block = {rule: {} for rule in RULES}
-                for budget in settings.budgets:
-                    for rule, engine in engines.items():
-                        cell, _ = mm.run_cell(engine(budget), universe, rows, max_new, temperature, settings.seed,
-                                              budget, first_round_only=kind == "fork", product_tree=False)
-                        block[rule][str(budget)] = cell.summary()
-                results.setdefault(str(temperature), {}).setdefault(name, {})[kind] = block
-                log(f"T={temperature:g} {name:<6} {kind:<10} tau max / mixture / unweighted by B: " + "  ".join(
-                    "/".join(f"{block[r][str(b)]['tau']:.2f}" for r in RULES) for b in settings.budgets))
-    return results
+    return mm.evaluate_engines(run, engines, log=log)
 
 
 def markdown(results: dict) -> str:

@@ -16,6 +16,11 @@ and `block_candidates` return what the tree reads with log pi folded into depth 
 (`mfd_sglang.tree.weigh_modes`), so every engine weighs the modes alike; without a gate (or on the
 single-mode path) they are the drafter's log-probabilities as they are.
 
+Fewer modes per request (`gate_modes`, issue 43 item 4): with a gate, a request can draft only its K' < K
+modes of highest weight. The weights must be known before the draft, so the gate then reads the anchors of a
+root-only block (the K copies of `[root]`, 1/block_size of a draft's tokens) instead of the full block's;
+the K' copies drafted are exactly those copies of the K-mode draft (a copy never sees another).
+
 FP8 (`from_checkpoint(..., fp8_linears=True)`, a server's `--speculative-draft-model-quantization fp8`):
 every layer's attention projections and MLP (`FP8_LINEARS`) run as `mfd_sglang.fp8.FP8Linear`, as SGLang's
 online FP8 quantizes a DFlash draft model's layers; the context projection `fc`, the norms, the mode
@@ -27,6 +32,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +166,13 @@ class DraftContext:
             positions=torch.cat([self.positions, other.positions], dim=1),
             valid=torch.cat([self.valid, other.valid], dim=1),
         )
+
+
+class ModeSubset(NamedTuple):
+    """The modes each request drafts (`MFDDrafter.gate_modes`): a subset chosen by the mode gate."""
+
+    ids: torch.Tensor  # [bs, K'] indices into the drafter's modes, best first
+    log_prior: torch.Tensor  # [bs, K'] float32: their log-weights under the gate (over all K modes)
 
 
 class DrafterLayer(nn.Module):
@@ -297,21 +310,23 @@ class MFDDrafter(nn.Module):
         return self.mode_embed[self.cfg.default_mode : self.cfg.default_mode + 1]
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context: DraftContext,
-                *, single_mode: bool = False, with_anchor: bool = False):
+                *, single_mode: bool = False, mode_ids: torch.Tensor | None = None, with_anchor: bool = False):
         """Draft all modes in one pass.
 
         block_embeds [bs, T, H]: target embeddings of `[last verified token, MASK x (T-1)]`;
         block_positions [bs, T]; context: a padded DraftContext, or a paged context read in place
-        (full attention only: drafters with sliding layers need the DraftContext). Returns the
-        final-normed hidden states [bs, K', T-1, H] of the drafted positions (the first block slot
-        is dropped), contiguous: a strided view would make every `hidden @ head.T` of its consumers copy
-        the head per (request, mode) on CPU. with_anchor: also the dropped slot's states [bs, K', H] (the
-        mode gate's input), as a tuple.
+        (full attention only: drafters with sliding layers need the DraftContext). mode_ids [bs, K']: draft
+        only these modes of each request (`gate_modes`); else the K modes, or the single-mode path's one.
+        Returns the final-normed hidden states [bs, K', T-1, H] of the drafted positions (the first block
+        slot is dropped), contiguous: a strided view would make every `hidden @ head.T` of its consumers
+        copy the head per (request, mode) on CPU. with_anchor: also the dropped slot's states [bs, K', H]
+        (the mode gate's input), as a tuple.
         """
         bs, t, h = block_embeds.shape
-        modes = self.mode_vectors(single_mode).to(block_embeds.dtype)
-        k = modes.shape[0]
-        x = (block_embeds[:, None] + modes[None, :, None]).reshape(bs, k * t, h)
+        modes = (self.mode_embed[mode_ids] if mode_ids is not None
+                 else self.mode_vectors(single_mode)[None]).to(block_embeds.dtype)  # [bs or 1, K', H]
+        k = modes.shape[1]
+        x = (block_embeds[:, None] + modes[:, :, None]).reshape(bs, k * t, h)
         positions = block_positions.repeat(1, k)
         if isinstance(context, DraftContext):
             masks = self._attention_mask(context, block_positions, k)
@@ -359,34 +374,58 @@ class MFDDrafter(nn.Module):
             masks.append(mask[:, None])
         return masks
 
+    def gate_modes(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
+                   count: int) -> ModeSubset:
+        """Each request's `count` modes of highest gate weight (ties to the lower index), before its block is
+        drafted: the gate reads the anchor states of the K copies of a root-only block `[root]` at
+        positions starts (the root and the context, not the block's MASK slots: 1/block_size of a K-mode
+        draft's tokens). Needs a mode gate."""
+        if self.mode_prior is None:
+            raise ValueError("choosing modes per request needs a drafter with a mode gate (mfd_config.mode_prior "
+                             "= \"gate\"); this one weighs its modes uniformly")
+        num_modes = self.mode_embed.shape[0]
+        if not 1 <= count <= num_modes:
+            raise ValueError(f"count must be in 1..{num_modes} (the drafter's modes), got {count}")
+        _, anchor = self(embed_weight[roots][:, None], starts[:, None].long(), context, with_anchor=True)
+        log_prior = self.mode_log_prior(anchor)
+        # Stable descending sort: equal weights keep the lower mode index first.
+        order = torch.sort(log_prior, dim=-1, descending=True, stable=True).indices[:, :count]
+        return ModeSubset(order, log_prior.gather(1, order))
+
     def block_hidden(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor, *,
-                     single_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     single_mode: bool = False,
+                     modes: ModeSubset | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final hidden states [bs, K', D, H], the mode log-prior [bs, K'] or None: `mode_log_prior`) of
         the blocks `[root, MASK...]` at positions starts.. over the context (DraftContext or paged), with the
-        target's embeddings."""
+        target's embeddings. modes: draft only each request's modes of the subset, weighed by its log-prior."""
         block = self.cfg.block_size
         tokens = torch.full((roots.shape[0], block), self.cfg.mask_token_id, device=roots.device)
         tokens[:, 0] = roots
         positions = starts[:, None].long() + torch.arange(block, device=roots.device)
-        hidden, anchor = self(embed_weight[tokens], positions, context, single_mode=single_mode, with_anchor=True)
-        return hidden, self.mode_log_prior(anchor)
+        hidden, anchor = self(embed_weight[tokens], positions, context, single_mode=single_mode,
+                              mode_ids=None if modes is None else modes.ids, with_anchor=True)
+        return hidden, self.mode_log_prior(anchor) if modes is None else modes.log_prior
 
     def block_logprobs(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
-                       lm_head_weight: torch.Tensor, *, single_mode: bool = False) -> torch.Tensor:
+                       lm_head_weight: torch.Tensor, *, single_mode: bool = False,
+                       modes: ModeSubset | None = None) -> torch.Tensor:
         """Log-probs [bs, K', D, Vd] of the blocks (the full distributions: the reference engine, evaluation),
         the mode log-prior folded in (`weigh_modes`): what the tree reads."""
-        hidden, log_prior = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
+        hidden, log_prior = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode,
+                                              modes=modes)
         return weigh_modes(self.logprobs(hidden, lm_head_weight), log_prior)
 
     def block_candidates(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,
                          head_weight: torch.Tensor, count: int, *, single_mode: bool = False,
-                         chunk_size: int = VOCAB_CHUNK, backend: str = "torch") -> DraftCandidates:
+                         modes: ModeSubset | None = None, chunk_size: int = VOCAB_CHUNK,
+                         backend: str = "torch") -> DraftCandidates:
         """The `count` best draft tokens of every (mode, position) of the blocks and their
         log-probabilities (what a tree of budget `count` reads), over the vocabulary in chunks of
         `chunk_size`: no [bs, K', D, Vd] tensor is made; the mode log-prior folded in (`weigh_modes`), as in
         `block_logprobs`. head_weight: `self.head_weight(lm_head)`; backend: `vocab_candidates`'s ("torch"
         or "triton")."""
-        hidden, log_prior = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode)
+        hidden, log_prior = self.block_hidden(roots, starts, context, embed_weight, single_mode=single_mode,
+                                              modes=modes)
         return weigh_modes(vocab_candidates(hidden, head_weight, count, chunk_size, backend=backend), log_prior)
 
     def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -143,13 +143,21 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class SpeculativeGenerator:
     def __init__(self, target, drafter: MFDDrafter, *, budget: int = 16, tree: str = "mixture",
-                 single_mode: bool = False):
+                 single_mode: bool = False, num_modes: int | None = None):
+        """num_modes: draft only each request's num_modes modes of highest gate weight each round
+        (`MFDDrafter.gate_modes`; a drafter with a mode gate); the tree's `modes` then index each request's
+        chosen modes, best first. None, or the drafter's K: every mode."""
         if tree not in ("mixture", "chain"):
             raise ValueError(f"tree must be 'mixture' or 'chain', got {tree!r}")
         if budget < 1:
             raise ValueError(f"budget must be >= 1 (tree nodes, root excluded), got {budget}")
+        if num_modes is not None and (single_mode or drafter.mode_prior is None
+                                      or not 1 <= num_modes <= drafter.mode_embed.shape[0]):
+            raise ValueError(f"num_modes={num_modes}: it chooses 1..K of the K = {drafter.mode_embed.shape[0]} modes "
+                             "by the mode gate, so it needs the K-mode path of a drafter with a mode gate")
         self.target, self.drafter = target, drafter
         self.budget, self.tree_kind, self.single_mode = budget, tree, single_mode
+        self.num_modes = None if num_modes == drafter.mode_embed.shape[0] else num_modes
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed_weight = target.get_input_embeddings().weight
@@ -201,8 +209,10 @@ class SpeculativeGenerator:
                      single_mode: bool = False) -> torch.Tensor:
         """Log-probs [bs, K, D, Vd] of blocks `[root, MASK...]` at positions lengths.. over the given context,
         as the tree reads them (`MFDDrafter.block_logprobs`: a mode gate's weights folded in)."""
+        modes = (None if self.num_modes is None or single_mode
+                 else self.drafter.gate_modes(roots, lengths, context, self.embed_weight, self.num_modes))
         return self.drafter.block_logprobs(roots, lengths, context, self.embed_weight, self.lm_head_weight,
-                                           single_mode=single_mode)
+                                           single_mode=single_mode, modes=modes)
 
     @torch.inference_mode()
     def build_tree(self, logprobs: torch.Tensor) -> DraftTree:

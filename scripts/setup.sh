@@ -39,8 +39,7 @@ if ! $VPY -c "import mooncake.engine" 2>/dev/null; then
   DEBIAN_FRONTEND=noninteractive $APT || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive $APT; }
   $VPY -c "import mooncake.engine"
 fi
-# The CPU server hooks SGLang's Mooncake sender (mfd_sglang/patches/cpu_disaggregation.py): its module
-# must import, or no CPU server starts.
+# PD disaggregation on CPU (tests/test_pd_disaggregation.py) runs SGLang's Mooncake connector: it must import.
 $VPY -W ignore -c "import sglang.srt.disaggregation.mooncake.conn"
 echo "[setup] mfd-sglang (editable)"
 $PIP --no-deps -e .

@@ -12,7 +12,7 @@ import torch
 
 from mfd_sglang.checkpoint import CheckpointError, describe, load_drafter
 from mfd_sglang.cli import main
-from mfd_sglang.drafter import MFDDrafter
+from mfd_sglang.drafter import DraftContext, MFDDrafter, ModeSubset, rms_norm
 from mfd_sglang.hf import SamplingParams, SpeculativeGenerator, load_target, plain_greedy
 from mfd_sglang.lab.evaluate import continue_prompt, prompt_outcomes, walk
 from mfd_sglang.lab.train import TrainConfig, train
@@ -226,6 +226,90 @@ def test_the_reference_engine_with_a_gate_is_plain_decoding_and_the_replay_its_r
         assert ("mfd_uniform", "6") in outcomes  # the same draft's unweighted tree, reported beside it
         compared += len(replayed)
     assert compared > 6
+
+
+# --- fewer modes per request (issue 43 item 4) -------------------------------------------------------
+
+def test_a_mode_subset_drafts_exactly_those_copies_of_the_k_mode_draft():
+    drafter = gated_drafter(seed=2)
+    features, ctx_pos, roots, starts, embed, head = draft_inputs()
+    context = drafter.context_kv(features, ctx_pos)
+    full, _ = drafter.block_hidden(roots, starts, context, embed)
+    ids = torch.tensor([[2, 0], [1, 2], [0, 1]])  # per request, in any order
+    log_prior = torch.randn(3, 2)
+    subset, weights = drafter.block_hidden(roots, starts, context, embed, modes=ModeSubset(ids, log_prior))
+    assert weights is log_prior
+    torch.testing.assert_close(subset, full[torch.arange(3)[:, None], ids], rtol=0, atol=1e-5)
+    logprobs = drafter.block_logprobs(roots, starts, context, embed, head, modes=ModeSubset(ids, log_prior))
+    unweighted = drafter.without_mode_gate().block_logprobs(roots, starts, context, embed, head)
+    torch.testing.assert_close(logprobs, weigh_modes(unweighted[torch.arange(3)[:, None], ids], log_prior),
+                               rtol=1e-5, atol=1e-5)
+
+
+def root_only_gate(drafter: MFDDrafter, root: torch.Tensor, start: torch.Tensor, context, embed) -> torch.Tensor:
+    """log pi [K] of one request, by hand: each mode's copy of `[root]` run alone, anchors averaged."""
+    anchors = []
+    for k in range(drafter.cfg.num_modes):
+        x = (embed[root] + drafter.mode_embed[k])[None, None]  # [1, 1, H]
+        positions = start.view(1, 1)
+        for layer, attend in zip(drafter.layers, root_only_attention(drafter, context, positions)):
+            x = layer(x, positions, attend)
+        anchors.append(rms_norm(x, drafter.norm, drafter.cfg.rms_norm_eps)[0, 0])
+    return torch.log_softmax(drafter.mode_prior(torch.stack(anchors).mean(0)), dim=-1)
+
+
+def root_only_attention(drafter, context, positions):
+    """Each layer's attention of a one-slot block over the request's valid context and the slot itself."""
+    from functools import partial
+
+    from mfd_sglang.drafter import dense_attention
+
+    mask = torch.cat([context.valid, torch.ones(1, 1, dtype=torch.bool)], dim=1)[:, None, None]  # [1, 1, 1, Lc+1]
+    return [partial(dense_attention, context.keys[i], context.values[i], mask)
+            for i in range(drafter.cfg.num_hidden_layers)]
+
+
+def test_gate_modes_takes_the_root_only_blocks_best_modes_with_ties_to_the_lower_index():
+    drafter = gated_drafter(seed=4)
+    features, ctx_pos, roots, starts, embed, head = draft_inputs()
+    context = drafter.context_kv(features, ctx_pos)
+    for count in (1, 2, 3):
+        chosen = drafter.gate_modes(roots, starts, context, embed, count)
+        for r in range(3):
+            one = DraftContext([k[r:r + 1] for k in context.keys], [v[r:r + 1] for v in context.values],
+                               context.positions[r:r + 1], context.valid[r:r + 1])
+            want = root_only_gate(drafter, roots[r], starts[r], one, embed)
+            assert chosen.ids[r].tolist() == want.argsort(descending=True)[:count].tolist(), (count, r)
+            torch.testing.assert_close(chosen.log_prior[r], want[chosen.ids[r]], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        drafter.mode_prior.weight.zero_()
+        drafter.mode_prior.bias.zero_()
+    assert drafter.gate_modes(roots, starts, context, embed, 2).ids.tolist() == [[0, 1]] * 3
+    with pytest.raises(ValueError, match="count must be in 1..3"):
+        drafter.gate_modes(roots, starts, context, embed, 4)
+    with pytest.raises(ValueError, match="needs a drafter with a mode gate"):
+        drafter.without_mode_gate().gate_modes(roots, starts, context, embed, 1)
+
+
+def test_the_reference_engine_drafting_the_gates_best_modes_is_plain_decoding(tiny_pair, gated_tiny):
+    target, mfd, _ = gated_tiny
+    seen = {}
+    for num_modes in (1, 2):
+        engine = SpeculativeGenerator(target, mfd, budget=6, num_modes=num_modes)
+        for prompt in _prompt_ids(tiny_pair, 2):
+            out = engine.generate(prompt, 24, params=SamplingParams())
+            assert out.token_ids == plain_greedy(target, prompt, 24)
+            seen[num_modes] = max(seen.get(num_modes, 1), max(r.emitted for r in out.rounds))
+    assert min(seen.values()) > 1, f"speculation was seen: longest round per K' {seen}"
+    prompt = _prompt_ids(tiny_pair, 1)[0]
+    every = SpeculativeGenerator(target, mfd, budget=6, num_modes=mfd.cfg.num_modes).generate(prompt, 24)
+    plain = SpeculativeGenerator(target, mfd, budget=6).generate(prompt, 24)
+    assert [(r.emitted, r.accepted_modes) for r in every.rounds] == [(r.emitted, r.accepted_modes) for r in plain.rounds]
+    for bad in ({"num_modes": 0}, {"num_modes": mfd.cfg.num_modes + 1}, {"num_modes": 1, "single_mode": True}):
+        with pytest.raises(ValueError, match="chooses 1..K"):
+            SpeculativeGenerator(target, mfd, budget=6, **bad)
+    with pytest.raises(ValueError, match="chooses 1..K"):
+        SpeculativeGenerator(target, mfd.without_mode_gate(), budget=6, num_modes=1)
 
 
 # --- training -----------------------------------------------------------------------------------------

@@ -9,11 +9,14 @@ import itertools
 import json
 import math
 import random
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
+from mfd_sglang.hf import SpeculativeGenerator
 from mfd_sglang.lab import multimodal as mm
 from mfd_sglang.lab.evaluate import chimera_count, node_paths
 from mfd_sglang.tree import build_mixture_tree
@@ -278,6 +281,25 @@ def test_make_multimodal_cli_tiny(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
     assert len(records) == 16 and all(len(r["input_ids"]) == 1 and len(r["input_ids"] + r["response_ids"]) == mm.SEQ_LEN
                                       for r in records)
+    # Read back (the benchmarks' way in), the run replays its own evaluation: same prompts, same numbers.
+    run = mm.load_run(out)
+    replay = mm.evaluate_engines(run, {"mfd": lambda b: SpeculativeGenerator(run.target, run.mfd, budget=b)},
+                                 log=lambda *a: None)
+    assert {(t, n, k): block["mfd"] for t, per_t in replay.items() for n, per_set in per_t.items()
+            for k, block in per_set.items()} == \
+        {(t, n, k): block["mfd"] for t, per_t in report["results"].items() for n, per_set in per_t.items()
+         for k, block in per_set.items()}
+    # Fewer modes per request (benchmarks/mode_subsets.py): every arm is lossless and its table names them all.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from mode_subsets import engines_of, markdown
+
+    engines, slots = engines_of(run)
+    assert set(engines) == {"ddtree", "K", "K'=2 gate-first", "K'=2 oracle", "K'=1 gate-first", "K'=1 oracle"}
+    subsets = mm.evaluate_engines(run, engines, log=lambda *a: None)
+    assert all(block["identical_outputs"] for per_t in subsets.values() for per_set in per_t.values()
+               for block in per_set.values())
+    assert slots["K'=2 gate-first"] == (2 * mm.BLOCK_SIZE + 4) / (4 * mm.BLOCK_SIZE)
+    assert markdown(subsets, slots).count("K'=1 gate-first") == 8  # T x set x kind
     # The same seed gives the same run: data, models' verdicts, every number of the report but the clock.
     again = mm.make_multimodal(tmp_path / "again", mm.Settings(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in report["settings"].items()}), progress=False,

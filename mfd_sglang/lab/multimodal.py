@@ -715,6 +715,61 @@ def evaluate_universe(target, single, mfd, universe: Universe, prompts: dict, se
     return results
 
 
+@dataclass
+class Run:
+    """A make-multimodal OUTDIR read back: its settings, universe, evaluation prompts (the same draws as its
+    report's) and models."""
+
+    settings: Settings
+    universe: Universe
+    prompts: dict  # {kind: {set: prompts}} (`evaluation_prompts`)
+    target: object
+    single: MFDDrafter
+    mfd: MFDDrafter
+
+
+def format_tau(tau: float | None) -> str:
+    """A cell's tau, "-" for a cell without rounds (every row left the universe)."""
+    return "-" if tau is None else f"{tau:.2f}"
+
+
+def load_run(outdir) -> Run:
+    outdir = Path(outdir)
+    report = json.loads((outdir / "report.json").read_text())
+    settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in report["settings"].items()})
+    universe = universe_for(build_tokenizer())
+    probe_rng = random.Random(settings.seed + 1)  # make_multimodal's draws: the probes, then the prompts
+    corpus(universe, probe_rng, settings.probe_sequences)
+    prompts = evaluation_prompts(universe, probe_rng, settings)
+    drafters = {name: MFDDrafter.from_checkpoint(load_drafter(outdir / "drafters" / name)) for name in ("single", "mfd")}
+    return Run(settings, universe, prompts, load_target(outdir / "target"), drafters["single"], drafters["mfd"])
+
+
+def evaluate_engines(run: Run, engines: dict, log=print) -> dict:
+    """{T: {set: {kind: {name: {B: summary}, "identical_outputs": bool}}}} of engines {name: budget ->
+    engine} at every cell of the run's evaluation (its temperatures, sets, kinds of round and budgets), each
+    run as `evaluate_universe` runs it; identical_outputs: every engine emitted the same tokens (lossless)."""
+    settings, results = run.settings, {}
+    for temperature in settings.temperatures:
+        for name in SETS:
+            for kind in KINDS:
+                rows = run.prompts[kind][name]
+                max_new = settings.max_new_tokens if kind == "generation" else BLOCK_SIZE + 1
+                block: dict = {engine: {} for engine in engines}
+                outputs = []
+                for budget in settings.budgets:
+                    for engine, make in engines.items():
+                        cell, out = run_cell(make(budget), run.universe, rows, max_new, temperature, settings.seed,
+                                             budget, first_round_only=kind == "fork", product_tree=False)
+                        block[engine][str(budget)] = cell.summary()
+                        outputs.append(out)
+                block["identical_outputs"] = all(o == outputs[0] for o in outputs)
+                results.setdefault(str(temperature), {}).setdefault(name, {})[kind] = block
+                log(f"T={temperature:g} {name:<6} {kind:<10} tau {' / '.join(engines)} by B: " + "  ".join(
+                    "/".join(format_tau(block[e][str(b)]["tau"]) for e in engines) for b in settings.budgets))
+    return results
+
+
 def make_multimodal(outdir, settings: Settings | None = None, *, progress: bool = True, log=print) -> dict:
     """Build the universe's target and drafters in OUTDIR, evaluate them, write OUTDIR/report.json,
     OUTDIR/report.md and OUTDIR/report.png (`plot_report`); returns the report. OUTDIR must be new or empty (nothing is overwritten)."""
