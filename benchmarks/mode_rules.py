@@ -91,20 +91,14 @@ def compare(outdir: Path, log=print) -> dict:
 
 
 def markdown(results: dict) -> str:
-    budgets = sorted({int(b) for per_t in results.values() for per_set in per_t.values()
-                      for block in per_set.values() for b in block["max"]})
-    lines = ["| T | set | rounds | rule | " + " | ".join(f"B={b}" for b in budgets) + " |",
-             "|---|---|---|---|" + "---|" * len(budgets)]
-    for t, per_t in results.items():
-        for name, per_set in per_t.items():
-            for kind, block in per_set.items():
-                for i, rule in enumerate(RULES):
-                    head = f"| {float(t):g} | {name} | {kind} |" if i == 0 else "| | | |"
-                    lines.append(f"{head} tau {rule} | " + " | ".join(
-                        f"{block[rule][str(b)]['tau']:.2f}" for b in budgets) + " |")
-                lines.append("| | | | mixture / max | " + " | ".join(
-                    f"{block['mixture'][str(b)]['tau'] / block['max'][str(b)]['tau']:.3f}x" for b in budgets) + " |")
-    return "\n".join(lines)
+    def tau(rule):
+        return lambda block, b: f"{block[rule][str(b)]['tau']:.2f}"
+
+    def mixture_over_max(block, b):
+        return f"{block['mixture'][str(b)]['tau'] / block['max'][str(b)]['tau']:.3f}x"
+
+    return mm.cell_table(results, "rule", [(f"tau {rule}", tau(rule)) for rule in RULES]
+                         + [("mixture / max", mixture_over_max)])
 
 
 def main() -> None:

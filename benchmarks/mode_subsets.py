@@ -43,9 +43,8 @@ class FullBlockGateGenerator(SpeculativeGenerator):
     @torch.inference_mode()
     def draft_blocks(self, roots, lengths, context, *, single_mode=False):
         _, log_prior = self.drafter.block_hidden(roots, lengths, context, self.embed_weight)
-        ids = torch.sort(log_prior, dim=-1, descending=True, stable=True).indices[:, : self.keep]
         return self.drafter.block_logprobs(roots, lengths, context, self.embed_weight, self.lm_head_weight,
-                                           modes=ModeSubset(ids, log_prior.gather(1, ids)))
+                                           modes=ModeSubset.best(log_prior, self.keep))
 
 
 def engines_of(run: mm.Run) -> tuple[dict, dict]:
@@ -65,23 +64,16 @@ def engines_of(run: mm.Run) -> tuple[dict, dict]:
 
 
 def markdown(results: dict, slots: dict) -> str:
-    engines = list(slots)
-    budgets = sorted({int(b) for per_t in results.values() for per_set in per_t.values()
-                      for block in per_set.values() for b in block["K"]})
-    lines = ["| T | set | rounds | method (draft slots / K's) | " + " | ".join(f"B={b}" for b in budgets) + " |",
-             "|---|---|---|---|" + "---|" * len(budgets)]
-    for t, per_t in results.items():
-        for name, per_set in per_t.items():
-            for kind, block in per_set.items():
-                for i, engine in enumerate(engines):
-                    head = f"| {float(t):g} | {name} | {kind} |" if i == 0 else "| | | |"
-                    cells = []
-                    for b in budgets:
-                        tau, ddtree = block[engine][str(b)]["tau"], block["ddtree"][str(b)]["tau"]
-                        ratio = engine != "ddtree" and tau is not None and ddtree
-                        cells.append(mm.format_tau(tau) + (f" ({tau / ddtree:.3f}x)" if ratio else ""))
-                    lines.append(f"{head} {engine} ({slots[engine]:.2f}) | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\ntau per round; in brackets: over DDTree's at the same budget."
+    def cell(engine):
+        def text(block, b):
+            tau, ddtree = block[engine][str(b)]["tau"], block["ddtree"][str(b)]["tau"]
+            ratio = engine != "ddtree" and tau is not None and ddtree
+            return mm.format_tau(tau) + (f" ({tau / ddtree:.3f}x)" if ratio else "")
+        return text
+
+    rows = [(f"{engine} ({share:.2f})", cell(engine)) for engine, share in slots.items()]
+    return mm.cell_table(results, "method (draft slots / K's)", rows) + \
+        "\n\ntau per round; in brackets: over DDTree's at the same budget."
 
 
 def main() -> None:

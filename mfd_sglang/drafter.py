@@ -174,6 +174,13 @@ class ModeSubset(NamedTuple):
     ids: torch.Tensor  # [bs, K'] indices into the drafter's modes, best first
     log_prior: torch.Tensor  # [bs, K'] float32: their log-weights under the gate (over all K modes)
 
+    @classmethod
+    def best(cls, log_prior: torch.Tensor, count: int) -> "ModeSubset":
+        """Each request's `count` modes of highest log-weight in log_prior [bs, K], ties to the lower index
+        (a stable descending sort)."""
+        ids = torch.sort(log_prior, dim=-1, descending=True, stable=True).indices[:, :count]
+        return cls(ids, log_prior.gather(1, ids))
+
 
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer: int):
@@ -387,10 +394,7 @@ class MFDDrafter(nn.Module):
         if not 1 <= count <= num_modes:
             raise ValueError(f"count must be in 1..{num_modes} (the drafter's modes), got {count}")
         _, anchor = self(embed_weight[roots][:, None], starts[:, None].long(), context, with_anchor=True)
-        log_prior = self.mode_log_prior(anchor)
-        # Stable descending sort: equal weights keep the lower mode index first.
-        order = torch.sort(log_prior, dim=-1, descending=True, stable=True).indices[:, :count]
-        return ModeSubset(order, log_prior.gather(1, order))
+        return ModeSubset.best(self.mode_log_prior(anchor), count)
 
     def block_hidden(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor, *,
                      single_mode: bool = False,

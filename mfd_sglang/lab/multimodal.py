@@ -733,6 +733,22 @@ def format_tau(tau: float | None) -> str:
     return "-" if tau is None else f"{tau:.2f}"
 
 
+def cell_table(results: dict, what: str, rows: list) -> str:
+    """A Markdown table of `evaluate_engines` results: per (T, set, kind of round), one line per row
+    (label, text(block, budget)) over the results' budgets; `what` heads the label column."""
+    blocks = [(t, name, kind, block) for t, per_t in results.items() for name, per_set in per_t.items()
+              for kind, block in per_set.items()]
+    budgets = sorted({int(b) for *_, block in blocks for per_engine in block.values() if isinstance(per_engine, dict)
+                      for b in per_engine})
+    lines = [f"| T | set | rounds | {what} | " + " | ".join(f"B={b}" for b in budgets) + " |",
+             "|---|---|---|---|" + "---|" * len(budgets)]
+    for t, name, kind, block in blocks:
+        for i, (label, text) in enumerate(rows):
+            head = f"| {float(t):g} | {name} | {kind} |" if i == 0 else "| | | |"
+            lines.append(f"{head} {label} | " + " | ".join(text(block, b) for b in budgets) + " |")
+    return "\n".join(lines)
+
+
 def load_run(outdir) -> Run:
     outdir = Path(outdir)
     report = json.loads((outdir / "report.json").read_text())
