@@ -16,7 +16,9 @@ Configurations: ar (no speculation), dflash (SGLang's own DFLASH chain with the 
 verifies the drafter's block, block_size tokens per request and round; on a CPU through the CPU launcher's
 hooks, mfd_sglang/patches/cpu_dflash.py), mfd, mfd_d, ddtree (MFD with the single-mode drafter, K = 1). A
 tree one may name its budget: `mfd_d@8` (B = 8; plain `mfd_d` uses --budget), or `mfd_d@auto` (the automatic
-budget, MFD_SGLANG_AUTO_BUDGET=1, at most --budget). Every configuration's speed-up over AR at the same b is
+budget, MFD_SGLANG_AUTO_BUDGET=1, at most --budget; with a drafter that has a mode gate its paths include
+each request's K/2 and 1 best modes), or `mfd@auto-kmodes` (the same over all K modes only,
+MFD_SGLANG_MODE_SUBSETS=0: the automatic budget without the mode subsets). Every configuration's speed-up over AR at the same b is
 reported (`speedup`; with repeats also `speedup_paired`, the median of the per-turn ratios). With an `@auto`
 configuration and fixed budgets of the same one, the report also compares auto with AR and with the best
 fixed budget at each b (`auto_vs`):
@@ -54,7 +56,9 @@ from tqdm.auto import tqdm
 from mfd_sglang.server_process import ServerProcess, free_port, launch_command
 
 CONFIGS = ("ar", "dflash", "mfd", "mfd_d", "ddtree")
-TREE_CONFIGS = ("mfd", "mfd_d", "ddtree")  # those with a tree budget (@B, @auto)
+TREE_CONFIGS = ("mfd", "mfd_d", "ddtree")  # those with a tree budget (@B, @auto, @auto-kmodes)
+AUTO_ENV = {"auto": {"MFD_SGLANG_AUTO_BUDGET": "1"},
+            "auto-kmodes": {"MFD_SGLANG_AUTO_BUDGET": "1", "MFD_SGLANG_MODE_SUBSETS": "0"}}
 DRAFTER_FLAG = {"dflash": "single_drafter", "ddtree": "single_drafter", "mfd": "mfd_drafter", "mfd_d": "mfd_drafter"}
 
 
@@ -71,12 +75,12 @@ def parse_configs(text: str) -> list[str]:
         base, budget = split_config(name)
         if base not in CONFIGS:
             raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}, the last three with an "
-                             "optional @B or @auto")
+                             "optional @B, @auto or @auto-kmodes")
         if budget is not None and base not in TREE_CONFIGS:
             raise ValueError(f"configuration {name!r}: only {TREE_CONFIGS} take a tree budget (dflash verifies "
                              "its drafter's block)")
-        if budget not in (None, "auto") and not (budget.isdigit() and int(budget) >= 1):
-            raise ValueError(f"configuration {name!r}: the budget must be an integer >= 1 or 'auto'")
+        if budget not in (None, *AUTO_ENV) and not (budget.isdigit() and int(budget) >= 1):
+            raise ValueError(f"configuration {name!r}: the budget must be an integer >= 1, 'auto' or 'auto-kmodes'")
     if len(set(configs)) < len(configs):
         raise ValueError(f"configurations named twice in {text!r}")
     return configs
@@ -85,10 +89,10 @@ def parse_configs(text: str) -> list[str]:
 def server_command(name: str, args, port: int, device: str, max_batch: int) -> list[str]:
     """The launch command of one configuration."""
     extra = ["--max-running-requests", str(max_batch), "--context-length", str(args.context_length),
-             "--log-level", "info" if split_config(name)[1] == "auto" else "warning"]
+             "--log-level", "info" if split_config(name)[1] in AUTO_ENV else "warning"]
     common = dict(port=port, device=device, dtype=args.dtype, extra_args=extra)
     name, budget = split_config(name)
-    budget = args.budget if budget in (None, "auto") else int(budget)
+    budget = args.budget if budget in (None, *AUTO_ENV) else int(budget)
     if name == "ar":
         return launch_command(args.target, **common)
     if name == "dflash":  # block_size from the drafter
@@ -99,16 +103,16 @@ def server_command(name: str, args, port: int, device: str, max_batch: int) -> l
 
 
 def compare_auto(results: dict) -> dict:
-    """Per `X@auto` configuration and b: its speed over AR's and over the best fixed `X@B`'s (medians).
-    With repeats, also the median of the paired ratios (`vs_ar_paired`, `vs_best_fixed_paired`): the
+    """Per `X@auto` configuration and b: its speed over AR's and over the best fixed `X@B`'s (medians), and
+    when `X@auto-kmodes` ran, `X@auto`'s over it (`vs_auto_kmodes`: what the mode subsets gave). With repeats, also the median of the paired ratios (`vs_ar_paired`, `vs_best_fixed_paired`): the
     configurations of one repeat ran in one turn, so a ratio within a turn is free of the drift between
     turns that the two medians may catch at different times."""
     report = {}
     for name, runs in results.items():
         base, budget = split_config(name)
-        if budget != "auto":
+        if budget not in AUTO_ENV:
             continue
-        fixed = {n: r for n, r in results.items() if split_config(n)[0] == base and split_config(n)[1] not in (None, "auto")}
+        fixed = {n: r for n, r in results.items() if split_config(n)[0] == base and split_config(n)[1] not in (None, *AUTO_ENV)}
         report[name] = {}
         for b, run in runs.items():
             entry = ratios(run, results["ar"][b], "vs_ar") if "ar" in results else {"vs_ar": None}
@@ -116,6 +120,8 @@ def compare_auto(results: dict) -> dict:
                 best = max(fixed, key=lambda n: fixed[n][b]["decode_tokens_per_second"])
                 entry["best_fixed"] = best
                 entry.update(ratios(run, fixed[best][b], "vs_best_fixed"))
+            if budget == "auto" and f"{base}@auto-kmodes" in results:
+                entry.update(ratios(run, results[f"{base}@auto-kmodes"][b], "vs_auto_kmodes"))
             report[name][b] = entry
     return report
 
@@ -325,7 +331,8 @@ def main(argv=None) -> int:
         port = free_port()
         cmd = server_command(name, args, port, args.device, max_batch)
         bar.set_postfix_str(f"starting {name}")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", MFD_SGLANG_AUTO_BUDGET=str(int(split_config(name)[1] == "auto")))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MFD_SGLANG_AUTO_BUDGET": "0",
+               **AUTO_ENV.get(split_config(name)[1], {})}
         srv = stack.enter_context(ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900))
         stream_one(srv.base_url, prompts[0], 8, args.timeout)  # warm-up
         return srv.base_url

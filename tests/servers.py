@@ -1,10 +1,14 @@
 """Server helpers for tests: starting real SGLang CPU servers (refused when a hook did not apply), the
-check every server's fixture ends with (idle, healthy, no KV leak), and requests against an
-OpenAI-compatible SGLang server that return generated token ids."""
+check every server's fixture ends with (idle, healthy, no KV leak), requests against an
+OpenAI-compatible SGLang server that return generated token ids, and SGLang's argument resolution of an
+MFD launch (`resolve`: where launch refusals are held to SGLang's own parsing)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import requests
@@ -98,3 +102,42 @@ def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+# --- SGLang's argument resolution -------------------------------------------------------------------
+RESOLVE = """
+import json, os, sys
+from sglang.srt.arg_groups.overrides import resolution_result
+from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
+from sglang.srt.server_args import prepare_server_args
+import mfd_sglang.plugin
+
+mfd_sglang.plugin.register()
+pair, results = sys.argv[1], []
+for extra, env in json.loads(sys.argv[2]):
+    os.environ.update(env)
+    args = prepare_server_args(["--model-path", pair + "/target", "--device", "cpu", "--attention-backend", "mfd_cpu",
+                                "--speculative-algorithm", "MFD", "--speculative-draft-model-path", pair + "/drafter",
+                                *extra])
+    try:
+        run_resolution_pipeline(args)
+        results.append({"dp_size": resolution_result(args, "dp_size"),
+                        "attn_dp_size": resolution_result(args, "attn_dp_size")})
+    except ValueError as e:
+        results.append({"error": str(e)})
+    for name in env:
+        del os.environ[name]
+print(json.dumps(results))
+"""
+
+
+def resolve(tiny_pair, *argvs: list[str], env: dict | None = None) -> list[dict]:
+    """SGLang 0.5.23's own CLI parsing and resolution pipeline (where MFD's `validate_server_args` runs)
+    of an MFD launch of the tiny pair with each extra argument list (a later flag overrides the launch's:
+    e.g. another --speculative-draft-model-path), under the environment variables `env`: the resolved
+    layout, or the refusal's message."""
+    cases = [(argv, env or {}) for argv in argvs]
+    out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(cases)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])

@@ -19,10 +19,15 @@ import torch
 from conftest import target_greedy
 from mfd_sglang.checkpoint import load_drafter, save_drafter
 from mfd_sglang.serving import budget as budget_module
-from mfd_sglang.serving.budget import PLAIN, Arm, BudgetChooser, RoundClock, batch_bucket, candidate_budgets
+from mfd_sglang.serving.budget import (PLAIN, SINGLE_MODE, Arm, BudgetChooser, Path, RoundClock, batch_bucket,
+                                       candidate_budgets, mode_paths)
 from mfd_sglang.serving.options import read_options
 from references import TOP_K_ALL, reference_sample
 from servers import generate_ids, log_tail, served_without_leaks, start_server
+
+
+K_MODES = Path()
+MFD_D = (K_MODES, SINGLE_MODE)  # MFD_D's paths without a mode gate
 
 
 def test_candidate_budgets_and_buckets():
@@ -43,17 +48,17 @@ class SimulatedServer:
         self.max_budget, self.depth, self.base, self.per_token, self.draft = max_budget, depth, base, per_token, draft
         self.rng = random.Random(seed)
 
-    def committed(self, path: bool, budgets: list[int], u: float) -> list[int]:
+    def committed(self, path: Path, budgets: list[int], u: float) -> list[int]:
         scale = torch.log2(torch.tensor(1.0 + self.max_budget)).item()
         return [1 + int(self.depth[path] * u * torch.log2(torch.tensor(1.0 + b)).item() / scale) for b in budgets]
 
     def cost(self, bs: int, arm) -> float:
-        path, b = arm
+        path, b = arm.path, arm.budget
         return self.base + self.per_token * bs * (b + 1) + (self.draft[path] * bs if b else 0.0)
 
     def value(self, bs: int, arm) -> float:
         """Expected tokens per request per second of an arm (the mean over u on a fine grid)."""
-        path, b = arm
+        path, b = arm.path, arm.budget
         grid = [(i + 0.5) / 2000 for i in range(2000)]
         tokens = sum(self.committed(path, [b], u)[0] for u in grid) / len(grid)
         return tokens / self.cost(bs, arm)
@@ -63,27 +68,44 @@ class SimulatedServer:
         for _ in range(rounds):
             arm = chooser.choose(bs)
             budgets = chooser.measured_budgets(arm)
-            chooser.record_acceptance(arm, [self.committed(arm[0], budgets, self.rng.random()) for _ in range(bs)])
+            chooser.record_acceptance(arm, [self.committed(arm.path, budgets, self.rng.random()) for _ in range(bs)])
             chooser.record_round_time(bs, arm, self.cost(bs, arm) * self.rng.uniform(0.95, 1.05))
             played.append(arm)
         return played
 
 
-@pytest.mark.parametrize("case", ["speculation-pays", "verify-too-dear", "mfd_d"])
+# A gated drafter of K = 4 modes: the gate's best 2 accept almost as much as all 4 for half the draft.
+SUBSETS = mode_paths(4, 4, gated=True, mode_subsets=True, single_mode_path=False)
+HALF, ONE = Path(modes=2), Path(modes=1)
+
+
+def test_mode_paths():
+    assert SUBSETS == (K_MODES, HALF, ONE)
+    assert mode_paths(4, 4, gated=True, mode_subsets=True, single_mode_path=True) == (K_MODES, HALF, ONE, SINGLE_MODE)
+    assert mode_paths(2, 2, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES, ONE)
+    assert mode_paths(8, 8, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES, Path(modes=4), ONE)
+    for gated, subsets in ((False, True), (True, False)):
+        assert mode_paths(4, 4, gated=gated, mode_subsets=subsets, single_mode_path=True) == MFD_D
+    assert mode_paths(1, 1, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES,)
+    # MFD_SGLANG_NUM_MODES=4 on a gated drafter of 8: the top path is each request's 4 best, not all 8
+    assert mode_paths(4, 8, gated=True, mode_subsets=True, single_mode_path=False) == (Path(modes=4), HALF, ONE)
+
+
+@pytest.mark.parametrize("case", ["speculation-pays", "verify-too-dear", "mfd_d", "mode-subsets"])
 def test_the_chooser_settles_on_the_best_arm_at_every_batch_size(case):
     """After a short exploration (the first 100 of 400 rounds) the arms the chooser plays are worth >= 96%
     of the best one (by the simulation's own law) on average over four seeds, and >= 85% for each seed,
     at each batch size in turn; where speculation does not pay it plays plain decoding (budget 0).
     (Per seed, arms within a few percent of each other trade places: the acceptance they are told
     apart by is a mean over a few hundred noisy request-rounds.)"""
-    paths = (False, True) if case == "mfd_d" else (False,)
-    # K modes win at bs 1, MFD_D's single mode at 2 and 4, plain decoding at 8 (unless the verify is
-    # too dear for any tree)
+    paths = {"mfd_d": MFD_D, "mode-subsets": SUBSETS}.get(case, (K_MODES,))
+    # K modes win at bs 1, MFD_D's single mode (or the gate's best 2 modes) at 2 and 4, plain decoding at
+    # 8 (unless the verify is too dear for any tree)
     worth = {bs: [] for bs in (1, 2, 4, 8)}
     for seed in range(4):
-        sim = SimulatedServer(16, depth={False: 6.0, True: 4.5}, base=0.02, seed=seed,
+        sim = SimulatedServer(16, depth={K_MODES: 6.0, SINGLE_MODE: 4.5, HALF: 5.7, ONE: 4.3}, base=0.02, seed=seed,
                               per_token=0.0008 if case != "verify-too-dear" else 0.01,
-                              draft={False: 0.006, True: 0.0005})
+                              draft={K_MODES: 0.006, SINGLE_MODE: 0.0005, HALF: 0.0032, ONE: 0.0018})
         chooser = BudgetChooser(16, paths=paths)
         best_arms = {}
         for bs in worth:
@@ -94,11 +116,13 @@ def test_the_chooser_settles_on_the_best_arm_at_every_batch_size(case):
     for bs, shares in worth.items():
         assert sum(shares) / len(shares) >= 0.96 and min(shares) >= 0.85, (bs, best_arms[bs], shares)
     if case == "verify-too-dear":
-        assert all(arm == (False, 0) for arm in best_arms.values())
+        assert all(arm == PLAIN for arm in best_arms.values())
     else:  # the simulations are built so that the choice changes with the batch size
         assert len(set(best_arms.values())) > 1, best_arms
     if case == "mfd_d":
-        assert {path for path, _ in best_arms.values()} == {False, True}, best_arms
+        assert {arm.path for arm in best_arms.values()} == set(MFD_D), best_arms
+    if case == "mode-subsets":
+        assert {arm.path for arm in best_arms.values()} == {K_MODES, HALF}, best_arms
 
 
 def test_a_larger_batch_does_not_retime_trees_a_smaller_one_ruled_out():
@@ -106,14 +130,14 @@ def test_a_larger_batch_does_not_retime_trees_a_smaller_one_ruled_out():
     larger ones, where each tree costs relatively more still, the trees' relative cost at the smaller
     size bounds theirs, so only the probes play a tree (the simulation's trees cost 2.5x plain
     decoding at bs 1 and more above; without the bound every tree is timed again at every size)."""
-    sim = SimulatedServer(16, depth={False: 6.0}, base=0.02, per_token=0.01, draft={False: 0.006})
+    sim = SimulatedServer(16, depth={K_MODES: 6.0}, base=0.02, per_token=0.01, draft={K_MODES: 0.006})
     chooser = BudgetChooser(16)
     first = sim.run(chooser, 1, 100)
-    assert len({arm for arm in first if arm[1] > 0}) == 3  # every tree timed at bs 1
+    assert len({arm for arm in first if arm.budget > 0}) == 3  # every tree timed at bs 1
     for bs in (2, 4, 8):
         played = sim.run(chooser, bs, 100)
-        trees = [arm for arm in played if arm[1] > 0]
-        assert len(trees) <= 3 and played[-1] == (False, 0), (bs, trees)
+        trees = [arm for arm in played if arm.budget > 0]
+        assert len(trees) <= 3 and played[-1] == PLAIN, (bs, trees)
 
 
 def test_a_start_up_calibration_spares_the_exploration_of_arms_it_rules_out():
@@ -122,12 +146,12 @@ def test_a_start_up_calibration_spares_the_exploration_of_arms_it_rules_out():
     chooser plays fewer rounds on arms worth < 90% of the best than without the calibration, settles as
     well (<= 5 such rounds of the last 100 at each batch size), and leaves arms the calibration rules
     out untimed."""
-    sim = SimulatedServer(16, depth={False: 6.0, True: 4.5}, base=0.02, per_token=0.0008,
-                          draft={False: 0.006, True: 0.0005})
+    sim = SimulatedServer(16, depth={K_MODES: 6.0, SINGLE_MODE: 4.5}, base=0.02, per_token=0.0008,
+                          draft={K_MODES: 0.006, SINGLE_MODE: 0.0005})
     wasted = {"calibrated": 0, "online": 0}
     for seed in range(6):
         noise = random.Random(seed)
-        choosers = {name: BudgetChooser(16, paths=(False, True)) for name in wasted}
+        choosers = {name: BudgetChooser(16, paths=MFD_D) for name in wasted}
         choosers["calibrated"].calibrate({(bs, arm): (sim.cost(bs, arm) - sim.base) * noise.uniform(0.9, 1.1)
                                           for bs in (1, 2, 4, 8) for arm in choosers["online"].arms})
         for bs in (1, 2, 4, 8):
@@ -157,9 +181,9 @@ def test_a_calibration_that_rules_out_plain_decoding_spares_timing_it():
     at start-up, the chooser's first arm at each batch size is a tree and it never plays (so never times)
     plain decoding; without the calibration it has to time plain decoding to rule it out."""
     for seed in range(4):
-        sim = SimulatedServer(16, depth={False: 6.0, True: 4.5}, base=0.02, per_token=0.0002,
-                              draft={False: 0.001, True: 0.0002}, seed=seed)
-        with_calibration, without = BudgetChooser(16, paths=(False, True)), BudgetChooser(16, paths=(False, True))
+        sim = SimulatedServer(16, depth={K_MODES: 6.0, SINGLE_MODE: 4.5}, base=0.02, per_token=0.0002,
+                              draft={K_MODES: 0.001, SINGLE_MODE: 0.0002}, seed=seed)
+        with_calibration, without = BudgetChooser(16, paths=MFD_D), BudgetChooser(16, paths=MFD_D)
         with_calibration.calibrate(calibrated(sim, with_calibration))
         for bs in (1, 2, 4, 8):
             values = {arm: sim.value(bs, arm) for arm in with_calibration.arms}
@@ -174,9 +198,9 @@ def test_a_drafter_that_accepts_nothing_settles_on_plain_decoding():
     cost): after each path's largest tree has measured that, the chooser's choice is plain decoding at
     every batch size, calibrated or not, and only its probes play a tree now and then."""
     for calibrate in (False, True):
-        sim = SimulatedServer(16, depth={False: 0.0, True: 0.0}, base=0.02, per_token=0.0008,
-                              draft={False: 0.006, True: 0.0005})
-        chooser = BudgetChooser(16, paths=(False, True))
+        sim = SimulatedServer(16, depth={K_MODES: 0.0, SINGLE_MODE: 0.0}, base=0.02, per_token=0.0008,
+                              draft={K_MODES: 0.006, SINGLE_MODE: 0.0005})
+        chooser = BudgetChooser(16, paths=MFD_D)
         if calibrate:
             chooser.calibrate(calibrated(sim, chooser))
         for bs in (1, 2, 4, 8):
@@ -198,7 +222,7 @@ def test_the_calibrated_estimate_adds_the_overhead_the_timed_arms_show():
 
 
 def test_acceptance_of_every_smaller_budget_is_kept_from_one_round():
-    chooser = BudgetChooser(16, paths=(False, True))
+    chooser = BudgetChooser(16, paths=MFD_D)
     assert chooser.measured_budgets(Arm(True, 8)) == [0, 4, 8]
     chooser.record_acceptance(Arm(True, 8), [[1, 2, 3], [1, 1, 5]])
     assert chooser.tokens(Arm(True, 8)) is None  # 2 request-rounds: too few to count (min_requests 8)

@@ -337,6 +337,13 @@ def test_closed_loop_compares_auto_with_ar_and_the_best_fixed_budget():
     assert report["mfd_d@auto"]["4"]["best_fixed"] == "mfd_d@16"
     assert report["mfd@auto"]["4"] == {"vs_ar": pytest.approx(0.5)}  # no fixed mfd budget was run
 
+    # The automatic budget with and without the mode subsets (`@auto-kmodes`: all K modes only).
+    assert split_config("mfd@auto-kmodes") == ("mfd", "auto-kmodes")
+    results["mfd@auto-kmodes"] = {"1": run(10.0), "4": run(25.0)}
+    report = compare_auto(results)
+    assert report["mfd@auto"]["4"] == {"vs_ar": pytest.approx(0.5), "vs_auto_kmodes": pytest.approx(0.8)}
+    assert report["mfd@auto-kmodes"]["4"] == {"vs_ar": pytest.approx(0.625)}
+
     # Repeats: the median of the ratios within each turn, beside the ratio of the medians.
     results = {"ar": {"2": {"decode_tokens_per_second": 20.0, "repeats_decode_tokens_per_second": [24.0, 20.0, 16.0]}},
                "mfd_d@4": {"2": {"decode_tokens_per_second": 9.0, "repeats_decode_tokens_per_second": [9.0, 12.0, 6.0]}},

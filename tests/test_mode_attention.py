@@ -36,6 +36,7 @@ SHAPES = [
     (3, 8, 4, 2, 1, 32, [70, 5, 33]),  # K = 8, MQA
     (1, 2, 16, 8, 2, 64, [19]),  # rows x group > one row tile
     (2, 3, 5, 3, 3, 24, [12, 0]),  # head_dim and block not powers of two
+    (2, 4, 1, 4, 2, 16, [9, 40]),  # a one-slot block: the mode gate's root-only pass (`gate_modes`)
 ]
 
 

@@ -167,9 +167,13 @@ def add_gate(drafter: MFDDrafter, seed: int = 7, scale: float = 1.0) -> MFDDraft
     return drafter
 
 
-def test_the_serving_draft_stage_drafts_the_reference_engines_weighted_tree(tiny_pair):
+@pytest.mark.parametrize("count", [None, 1, 2])
+def test_the_serving_draft_stage_drafts_the_reference_engines_weighted_tree(tiny_pair, count):
     """The serving draft stage (paged context, vocabulary-chunked candidates) of a gated drafter gives the
-    tree the reference engine builds from `block_logprobs` over the same context; the gate changes it."""
+    tree the reference engine builds over the same context from `block_logprobs` of every mode (count None:
+    the gate changes it) or, for an arm of `count` modes (`Arm.modes`: the automatic budget's K' < K paths,
+    MFD_SGLANG_NUM_MODES on a gated drafter), of each request's modes chosen by `gate_modes`, which differ
+    between requests here."""
     from test_serving import DRAFT_STAGE_BUDGET, _draft_stage
 
     from mfd_sglang.serving.budget import Arm
@@ -178,19 +182,23 @@ def test_the_serving_draft_stage_drafts_the_reference_engines_weighted_tree(tiny
     budget = DRAFT_STAGE_BUDGET
     add_gate(stage.drafter)
     gen = torch.Generator().manual_seed(3)
-    roots = torch.randint(0, stage.drafter.cfg.vocab_size, (4,), generator=gen)
-    lens = torch.randint(5, table.shape[1] - 20, (4,), generator=gen)
-    requests_ = torch.arange(4)
-    tree, _ = stage.paged_tree(roots, lens, requests_, key=Arm(False, budget))
+    roots = torch.randint(0, stage.drafter.cfg.vocab_size, (6,), generator=gen)
+    lens = torch.randint(5, table.shape[1] - 20, (6,), generator=gen)
+    requests_ = torch.arange(6)
+    tree, _ = stage.paged_tree(roots, lens, requests_, key=Arm(False, budget, count))
     context = stage.context_pool.gather(table[requests_].long(), lens)
-    full = stage.drafter.block_logprobs(roots, lens, context, stage.embed_weight, stage.head_weight)
-    want = build_mixture_tree(full, budget)
+    chosen = None if count is None else stage.drafter.gate_modes(roots, lens, context, stage.embed_weight, count)
+    if chosen is not None:
+        assert len({tuple(ids) for ids in chosen.ids.tolist()}) > 1, chosen.ids  # the choice is per request
+    drafted = stage.drafter.block_logprobs(roots, lens, context, stage.embed_weight, stage.head_weight, modes=chosen)
+    want = build_mixture_tree(drafted, budget)
     for name in ("tokens", "parents", "depths", "modes", "valid"):
         assert torch.equal(getattr(tree, name), getattr(want, name)), name
     torch.testing.assert_close(tree.scores, want.scores, rtol=0, atol=1e-4)
-    unweighted = stage.drafter.without_mode_gate().block_logprobs(roots, lens, context, stage.embed_weight,
-                                                                  stage.head_weight)
-    assert not torch.equal(build_mixture_tree(unweighted, budget).tokens, tree.tokens)
+    if count is None:
+        unweighted = stage.drafter.without_mode_gate().block_logprobs(roots, lens, context, stage.embed_weight,
+                                                                      stage.head_weight)
+        assert not torch.equal(build_mixture_tree(unweighted, budget).tokens, tree.tokens)
 
 
 @pytest.fixture(scope="module")

@@ -20,63 +20,21 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import target_greedy
 from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, served_without_leaks, start_server
+from servers import generate_ids, log_tail, resolve, served_without_leaks, start_server
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
 SAMPLING = (1.0, TOP_K_ALL, 0.9, 0.0)  # temperature, top_k, top_p, min_p
 DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per replica
 
 
-# --- SGLang's argument resolution -------------------------------------------------------------------
-RESOLVE = """
-import json, os, sys
-from sglang.srt.arg_groups.overrides import resolution_result
-from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
-from sglang.srt.server_args import prepare_server_args
-import mfd_sglang.plugin
-
-mfd_sglang.plugin.register()
-pair, results = sys.argv[1], []
-for extra, env in json.loads(sys.argv[2]):
-    os.environ.update(env)
-    args = prepare_server_args(["--model-path", pair + "/target", "--device", "cpu", "--attention-backend", "mfd_cpu",
-                                "--speculative-algorithm", "MFD", "--speculative-draft-model-path", pair + "/drafter",
-                                *extra])
-    try:
-        run_resolution_pipeline(args)
-        results.append({"dp_size": resolution_result(args, "dp_size"),
-                        "attn_dp_size": resolution_result(args, "attn_dp_size")})
-    except ValueError as e:
-        results.append({"error": str(e)})
-    for name in env:
-        del os.environ[name]
-print(json.dumps(results))
-"""
-
-
-def resolve(tiny_pair, *argvs: list[str], env: dict | None = None) -> list[dict]:
-    """SGLang 0.5.23's own CLI parsing and resolution pipeline (where MFD's `validate_server_args` runs)
-    of an MFD launch with each extra argument list (under the environment variables `env`): the resolved
-    layout, or the refusal's message."""
-    cases = [(argv, env or {}) for argv in argvs]
-    out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(cases)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.splitlines()[-1])
-
-
+# --- SGLang's argument resolution (`servers.resolve`) ------------------------------------------------
 def test_attention_dp_without_dp_lm_head_is_refused_and_replicas_and_pd_pass(tiny_pair):
     old, new, alias, replicas, replicated_tp, prefill, decode, pd_tp = resolve(
         tiny_pair, ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], ["--tp-size", "2", "--attn-dp-size", "2"],

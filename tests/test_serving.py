@@ -31,6 +31,10 @@ def test_options_defaults_and_errors():
         read_options({"MFD_SGLANG_SWITCH_THRESHOLD": "zero"})
     with pytest.raises(ValueError, match="MFD_SGLANG_NUM_MODES='0'"):
         read_options({"MFD_SGLANG_NUM_MODES": "0"})
+    assert read_options({}).mode_subsets is None  # offered where they can be
+    assert [read_options({"MFD_SGLANG_MODE_SUBSETS": v}).mode_subsets for v in ("0", "1")] == [False, True]
+    with pytest.raises(ValueError, match="MFD_SGLANG_MODE_SUBSETS='yes': set it to 1"):
+        read_options({"MFD_SGLANG_MODE_SUBSETS": "yes"})
     assert budget_from_num_draft_tokens(65) == 64
     with pytest.raises(ValueError, match="tree budget of 0 nodes"):
         budget_from_num_draft_tokens(1)

@@ -77,10 +77,11 @@ def test_closed_loop_configurations_and_speedups():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from closed_loop import add_speedups, parse_configs
 
-    rows = "ar,dflash,ddtree,mfd,mfd_d,mfd_d@auto,mfd@8"
+    rows = "ar,dflash,ddtree,mfd,mfd_d,mfd_d@auto,mfd@auto-kmodes,mfd@8"
     assert parse_configs(rows + ",") == rows.split(",")
     for bad, message in (("ar,eagle", "unknown configuration 'eagle'"), ("dflash@8", "only ('mfd', 'mfd_d', 'ddtree')"),
                          ("ar@auto", "take a tree budget"), ("mfd@0", "integer >= 1"), ("mfd@x", "integer >= 1"),
+                         ("mfd@auto-k", "'auto' or 'auto-kmodes'"),
                          ("ar,mfd,ar", "named twice")):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             parse_configs(bad)

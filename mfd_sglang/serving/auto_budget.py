@@ -21,14 +21,14 @@ import torch
 
 from mfd_sglang.verify import TreeVerifyResult, sub_budget_accept_lens
 
-from .budget import Arm, BudgetChooser, RoundClock
+from .budget import Arm, BudgetChooser, Path, RoundClock, describe_path
 from .calibration import DraftFn, VerifyFn, calibrate_round_costs
 from .verify_graph import MFDVerifyCudaGraphRunner, VerifyGraphsByWidth
 
 
 class AutoBudget:
-    def __init__(self, max_budget: int, *, single_mode_path: bool, device):
-        self.chooser = BudgetChooser(max_budget, paths=(False, True) if single_mode_path else (False,))
+    def __init__(self, max_budget: int, *, paths: tuple[Path, ...], device):
+        self.chooser = BudgetChooser(max_budget, paths=paths)
         self.clock = RoundClock()
         self.device = device
         # On the device once: a round measures a prefix of these (`measured_budgets`).
@@ -43,7 +43,8 @@ class AutoBudget:
         return self.chooser.arms
 
     def describe(self) -> str:
-        return f"auto (at most {self.chooser.max_budget}, from {self.chooser.budgets})"
+        paths = ", ".join(describe_path(path) for path in self.chooser.paths)
+        return f"auto (at most {self.chooser.max_budget}, from {self.chooser.budgets}; paths: {paths})"
 
     def choose(self, bs: int) -> Arm:
         self.record_finished_acceptance()

@@ -4,8 +4,9 @@ costs calibrated at start-up.
 
 Arms. An arm is (path, budget): budget from `candidate_budgets` (0, 4, 8, 16, ... up to the launch
 budget B, which is always one), where budget 0 is plain decoding (no draft: only the root is verified,
-and the target's token after it is the round's one token); path False is the K-mode draft, True
-MFD_D's single-mode path (MFD has only the K-mode path).
+and the target's token after it is the round's one token). A path (`Path`) is the K-mode draft, MFD_D's
+single-mode path, or, for a drafter with a mode gate, each request's K' best modes under the gate
+(`mode_paths`: K' = K/2 and 1 beside K, so that a large batch can draft fewer modes per request).
 
 Acceptance, per (path, budget): tokens committed per request and round, a decayed mean over the
 rounds that measured it. A round at budget b measures every budget <= b of its path at once and
@@ -38,14 +39,44 @@ from typing import NamedTuple
 logger = logging.getLogger(__name__)
 
 
+class Path(NamedTuple):
+    """How a round drafts: MFD_D's single-mode path, or the K-mode draft of every mode (modes None) or of
+    each request's `modes` best modes under the drafter's mode gate (`MFDDrafter.gate_modes`)."""
+
+    single_mode: bool = False
+    modes: int | None = None
+
+    def at(self, budget: int) -> "Arm":
+        return Arm(self.single_mode, budget, self.modes)
+
+
 class Arm(NamedTuple):
-    """What a round drafts: its path and its tree budget (equal to the plain tuple `(single_mode, budget)`)."""
+    """What a round drafts: its path and its tree budget (equal to the plain tuple `(single_mode, budget,
+    modes)`)."""
 
     single_mode: bool  # MFD_D's single-mode draft; False: the K-mode draft
     budget: int  # tree nodes; 0: plain decoding (no draft, the root alone)
+    modes: int | None = None  # the gate's `modes` best modes per request; None: every mode (`Path`)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.single_mode, self.modes)
 
 
 PLAIN = Arm(False, 0)
+SINGLE_MODE = Path(single_mode=True)
+
+
+def mode_paths(num_modes: int, drafter_modes: int, *, gated: bool, mode_subsets: bool,
+               single_mode_path: bool) -> tuple[Path, ...]:
+    """The paths the automatic budget chooses from: the K-mode draft of K = num_modes modes (every one of
+    the drafter's drafter_modes, or with a mode gate each request's K best: MFD_SGLANG_NUM_MODES); with a
+    gate and mode_subsets, also each request's K/2 and 1 best (a K'-mode draft costs about K'/K of K's,
+    plus the gate's root-only pass, and at the small budgets a large batch affords keeps most of K's
+    acceptance: README, "Fewer modes per request"); MFD_D's single-mode path."""
+    counts = sorted({num_modes // 2, 1} - {0, num_modes}, reverse=True) if gated and mode_subsets else []
+    return ((Path(modes=None if num_modes == drafter_modes else num_modes),) + tuple(Path(modes=k) for k in counts)
+            + ((SINGLE_MODE,) if single_mode_path else ()))
 
 
 def candidate_budgets(max_budget: int) -> tuple[int, ...]:
@@ -86,7 +117,7 @@ class DecayedMean:
 @dataclass
 class BudgetChooser:
     max_budget: int
-    paths: tuple[bool, ...] = (False,)  # MFD_D: (False, True)
+    paths: tuple[Path, ...] = (Path(),)  # `mode_paths`
     probe_every: int = 32
     max_probe_interval: int = 512
     probe_floor: float = 0.7
@@ -114,14 +145,14 @@ class BudgetChooser:
 
     @property
     def arms(self) -> list[Arm]:
-        return [PLAIN] + [Arm(path, b) for path in self.paths for b in self.budgets[1:]]
+        return [PLAIN] + [path.at(b) for path in self.paths for b in self.budgets[1:]]
 
     # --- measurements ------------------------------------------------------------------------
     def record_acceptance(self, arm: Arm, committed: list[list[int]]) -> None:
         """committed[r][i]: tokens request r committed, or would have had its tree held only
         budgets[i] nodes, for every budget <= arm's (`sub_budget_accept_lens` at `measured_budgets`)."""
         for i, b in enumerate(self.measured_budgets(arm)):
-            key = PLAIN if b == 0 else Arm(arm.single_mode, b)
+            key = PLAIN if b == 0 else arm.path.at(b)
             mean = self.acceptance.setdefault(key, DecayedMean(self.acceptance_decay))
             mean.update(float(sum(row[i] for row in committed)), len(committed))
 
@@ -167,7 +198,7 @@ class BudgetChooser:
         make a tree relatively cheaper: the verify window grows with it while plain decoding's one token
         does not). So a new bucket does not replay the dear arms the smaller ones already ruled out, and
         with a calibration its first rounds play the arm calibrated best instead of timing each in turn."""
-        below = [self.cost(bucket, Arm(arm.single_mode, b)) for b in self.budgets if 0 < b < arm.budget]
+        below = [self.cost(bucket, arm.path.at(b)) for b in self.budgets if 0 < b < arm.budget]
         plain = self.cost(bucket, PLAIN)
         below.append(plain)
         estimate = self.estimate(bucket, arm)
@@ -210,8 +241,8 @@ class BudgetChooser:
         """A path whose acceptance was measured on fewer than `min_requests` request-rounds plays its
         largest tree: one round measures every budget of the path."""
         for path in self.paths:
-            if self.tokens(Arm(path, self.max_budget)) is None:
-                return Arm(path, self.max_budget)
+            if self.tokens(path.at(self.max_budget)) is None:
+                return path.at(self.max_budget)
         return None
 
     def keep_current(self, bucket: int, timed: dict[Arm, float]) -> Arm | None:
@@ -268,15 +299,21 @@ class BudgetChooser:
         plain decoding: the smallest drafted budget of each path) and the other paths at its budget;
         arm itself when there is none (MFD's largest budget)."""
         if arm.budget == 0:
-            return [Arm(p, self.budgets[1]) for p in self.paths]
-        larger = [Arm(arm.single_mode, b) for b in self.budgets if b > arm.budget][:1]
-        return larger + [Arm(p, arm.budget) for p in self.paths if p != arm.single_mode] or [arm]
+            return [p.at(self.budgets[1]) for p in self.paths]
+        larger = [arm.path.at(b) for b in self.budgets if b > arm.budget][:1]
+        return larger + [p.at(arm.budget) for p in self.paths if p != arm.path] or [arm]
 
 
 def describe(arm: Arm) -> str:
     if arm.budget == 0:
         return "plain decoding (budget 0)"
-    return f"budget {arm.budget}, {'single-mode' if arm.single_mode else 'K-mode'} draft"
+    return f"budget {arm.budget}, {describe_path(arm.path)}"
+
+
+def describe_path(path: Path) -> str:
+    if path.modes is not None:
+        return f"gate's best {path.modes} mode(s)"
+    return "single-mode draft" if path.single_mode else "K-mode draft"
 
 
 class RoundClock:

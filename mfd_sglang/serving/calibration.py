@@ -100,7 +100,7 @@ def calibrate_round_costs(arms: list[Arm], max_bs: int, row_len: int, device, *,
 
             draft_seconds = median_seconds(draft_arm, device) if arm.budget > 0 else 0.0
             width = arm.budget + 1
-            if width not in verify_costs:  # both drafting paths verify the same window
+            if width not in verify_costs:  # every path verifies the same window at a budget
                 _, layout = draft_arm()
                 verify_costs[width] = median_seconds(verify(layout, seq_lens, bs * context_len), device)
             costs[bucket, arm] = draft_seconds + verify_costs[width]
@@ -111,7 +111,8 @@ def calibrate_round_costs(arms: list[Arm], max_bs: int, row_len: int, device, *,
 
 def cost_table(costs: dict[tuple[int, Arm], float], arms: list[Arm]) -> str:
     buckets = sorted({bucket for bucket, _ in costs})
-    lines = ["batch size <= " + " ".join(f"{b:>7d}" for b in buckets)]
+    width = max(len(describe(arm)) for arm in arms) + 2
+    lines = [f"{'batch size <=':<{width}}" + " ".join(f"{b:>7d}" for b in buckets)]
     for arm in arms:
-        lines.append(f"{describe(arm):<32} " + " ".join(f"{1e3 * costs[b, arm]:7.1f}" for b in buckets))
+        lines.append(f"{describe(arm):<{width}}" + " ".join(f"{1e3 * costs[b, arm]:7.1f}" for b in buckets))
     return "\n".join(lines)

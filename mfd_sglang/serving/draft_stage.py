@@ -1,7 +1,8 @@
 """The draft + tree stage of a round inside SGLang 0.5.23: the drafter, its context pool and its graphs.
 
 `DraftStage.tree(roots, seq_lens, req_pool_indices, max_len, arm)` drafts the block `[root, MASK...]`
-of every request for the arm's path (K modes, or MFD_D's single mode), keeps each position's B best
+of every request for the arm's path (K modes, each request's K' best modes under the mode gate, or
+MFD_D's single mode), keeps each position's B best
 tokens scoring the vocabulary in chunks (`MFDDrafter.block_candidates`: no [bs, K, D, V] tensor), builds
 the mixture tree of B nodes (`build_mixture_tree`: Triton on CUDA, torch elsewhere) and lays it out for
 SGLang's tree verify (`tree_to_verify_layout`). Budget 0 is plain decoding: no draft, the root alone.
@@ -54,12 +55,13 @@ class DraftStage:
     @classmethod
     def for_target(cls, ckpt: DrafterCheckpoint, model_runner, *, fp8_linears: bool,
                    num_modes: int | None) -> "DraftStage":
-        """The stage of drafter checkpoint `ckpt` on the target of `model_runner` (its first `num_modes`
-        modes when set; fp8_linears: attention and MLP linears in e4m3)."""
+        """The stage of drafter checkpoint `ckpt` on the target of `model_runner` (without a mode gate its
+        first `num_modes` modes when set; with one, every mode stays: rounds choose theirs per request,
+        `Arm.modes`; fp8_linears: attention and MLP linears in e4m3)."""
         device = model_runner.device
         drafter = MFDDrafter.from_checkpoint(ckpt, dtype=model_runner.model_config.dtype,
                                              fp8_linears=fp8_linears).to(device)
-        if num_modes is not None:
+        if num_modes is not None and drafter.mode_prior is None:
             drafter.mode_embed.data = drafter.mode_embed.data[:num_modes]
         target, vocab = model_runner.model, model_runner.model_config.vocab_size
         embed_module = target.get_input_embeddings()
@@ -70,6 +72,11 @@ class DraftStage:
     @property
     def num_modes(self) -> int:
         return self.drafter.mode_embed.shape[0]
+
+    @property
+    def gated(self) -> bool:
+        """Whether the drafter has a mode gate (`MFDDrafter.gate_modes`: K' < K modes per request)."""
+        return self.drafter.mode_prior is not None
 
     def init_context_pool(self, num_slots: int, req_to_token_pool, *, device, dtype: torch.dtype,
                           deferred_rows: int = 0, page_size: int = 0) -> None:
@@ -123,9 +130,12 @@ class DraftStage:
 
     def candidates(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, arm: Arm) -> DraftCandidates:
         """The drafter's `arm.budget` best tokens per (mode, position) of the blocks `[root, MASK...]` at
-        positions seq_lens.., with their log-probs: all the tree reads."""
+        positions seq_lens.., with their log-probs: all the tree reads. An arm of `modes` modes first
+        lets the gate choose each request's (`MFDDrafter.gate_modes`, a root-only pass)."""
+        modes = None if arm.modes is None else self.drafter.gate_modes(roots, seq_lens, context,
+                                                                       self.embed_weight, arm.modes)
         return self.drafter.block_candidates(roots, seq_lens, context, self.embed_weight, self.head_weight,
-                                             arm.budget, single_mode=arm.single_mode)
+                                             arm.budget, single_mode=arm.single_mode, modes=modes)
 
     def tree_of(self, candidates: DraftCandidates, roots: torch.Tensor, seq_lens: torch.Tensor,
                 budget: int) -> tuple[DraftTree, VerifyLayout]:

@@ -192,6 +192,12 @@ def validate_server_args(server_args) -> None:
     if options.num_modes is not None and options.num_modes > ckpt.config.num_modes:
         raise ValueError(f"MFD_SGLANG_NUM_MODES={options.num_modes} but the drafter at {path} has "
                          f"{ckpt.config.num_modes} mode(s); set at most {ckpt.config.num_modes} or unset it.")
+    if options.mode_subsets and not (options.auto_budget and ckpt.config.mode_prior == "gate"):
+        lacking = " and ".join(([] if options.auto_budget else ["MFD_SGLANG_AUTO_BUDGET=1"]) +
+                               ([] if ckpt.config.mode_prior == "gate" else [f"a drafter with a mode gate (the one "
+                                                                               f"at {path} weighs its modes uniformly)"]))
+        raise ValueError(f"MFD_SGLANG_MODE_SUBSETS=1: the automatic budget chooses per request modes by the "
+                         f"drafter's mode gate; it needs {lacking}. Unset it.")
 
 
 def check_drafter_path(algo: str, path) -> None:

@@ -15,12 +15,18 @@ spawned scheduler processes inherit. Where SGLang has a flag, MFD uses it:
     MFD_SGLANG_SWITCH_THRESHOLD=3       MFD_D drafts with its single-mode path while at least this
                                         many requests run in a decode batch, and with all K modes
                                         below it.
-    MFD_SGLANG_NUM_MODES=K'             draft with the drafter's first K' modes only (default: all).
+    MFD_SGLANG_NUM_MODES=K'             draft K' modes only (default: all): each request's K' best
+                                        under the drafter's mode gate, or without a gate the
+                                        drafter's first K'.
     MFD_SGLANG_AUTO_BUDGET=1            pick the budget (0: plain decoding, up to B) and, for MFD_D,
                                         the drafting path per decode batch from acceptance and round
                                         times measured while serving, costs calibrated at start-up
                                         (`budget`, `calibration`); B from the flag above
                                         is then the largest. Not with MFD_SGLANG_SWITCH_THRESHOLD.
+    MFD_SGLANG_MODE_SUBSETS=0           with the automatic budget and a drafter with a mode gate, do
+                                        not offer the paths that draft each request's K/2 and 1 best
+                                        modes beside all K (`budget.mode_paths`; default: offered).
+                                        1 asks for them: refused at launch without both.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 SWITCH_THRESHOLD_ENV = "MFD_SGLANG_SWITCH_THRESHOLD"
 NUM_MODES_ENV = "MFD_SGLANG_NUM_MODES"
 AUTO_BUDGET_ENV = "MFD_SGLANG_AUTO_BUDGET"
+MODE_SUBSETS_ENV = "MFD_SGLANG_MODE_SUBSETS"
 DEFAULT_SWITCH_THRESHOLD = 3
 MAX_BUDGET = 1024
 
@@ -44,6 +51,14 @@ class MFDOptions:
     switch_threshold: int = DEFAULT_SWITCH_THRESHOLD
     num_modes: int | None = None  # None: every mode of the drafter
     auto_budget: bool = False
+    mode_subsets: bool | None = None  # None: offered where they can be (a mode gate, the automatic budget)
+
+
+def _flag(environ, name: str, meaning: str) -> bool | None:
+    raw = environ.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name}={raw!r}: set it to 1 ({meaning}) or 0, or unset it.")
+    return None if raw == "" else raw == "1"
 
 
 def _positive_int(environ, name: str) -> int | None:
@@ -64,16 +79,15 @@ def read_options(environ=None) -> MFDOptions:
     """The options from the environment; ValueError naming the variable when one is malformed."""
     env = os.environ if environ is None else environ
     threshold = _positive_int(env, SWITCH_THRESHOLD_ENV)
-    auto = env.get(AUTO_BUDGET_ENV, "")
-    if auto not in ("", "0", "1"):
-        raise ValueError(f"{AUTO_BUDGET_ENV}={auto!r}: set it to 1 (automatic budget) or 0 / unset (fixed).")
-    if auto == "1" and threshold is not None:
+    auto = _flag(env, AUTO_BUDGET_ENV, "automatic budget")
+    if auto and threshold is not None:
         raise ValueError(f"{AUTO_BUDGET_ENV}=1 chooses MFD_D's drafting path itself; unset "
                          f"{SWITCH_THRESHOLD_ENV}={env[SWITCH_THRESHOLD_ENV]} (or the automatic budget).")
     return MFDOptions(
         switch_threshold=DEFAULT_SWITCH_THRESHOLD if threshold is None else threshold,
         num_modes=_positive_int(env, NUM_MODES_ENV),
-        auto_budget=auto == "1",
+        auto_budget=bool(auto),
+        mode_subsets=_flag(env, MODE_SUBSETS_ENV, "paths that draft fewer modes per request"),
     )
 
 

@@ -45,7 +45,7 @@ from mfd_sglang.verify import TreeVerifyResult
 
 from .accept import accept_tree, pad_result, sample_first_tokens
 from .auto_budget import AutoBudget
-from .budget import Arm
+from .budget import Arm, mode_paths
 from .calibration import placeholder_verify_batch
 from .commit import commit_round
 from .draft_stage import DraftStage
@@ -96,7 +96,13 @@ class MFDWorkerV2(BaseSpecWorker):
         self.draft_quantization = draft_quantization(server_args)  # "fp8": attention and MLP linears in e4m3
         self.drafting = DraftStage.for_target(ckpt, self.model_runner, fp8_linears=self.draft_quantization == "fp8",
                                               num_modes=options.num_modes)
-        self.auto_budget = (AutoBudget(self.budget, single_mode_path=algorithm == "MFD_D", device=self.device)
+        # With a mode gate and MFD_SGLANG_NUM_MODES = K' < K: each request's K' best modes (`Arm.modes`).
+        self.gated_modes = (options.num_modes if self.drafting.gated and options.num_modes is not None
+                            and options.num_modes < self.drafting.num_modes else None)
+        self.auto_budget = (AutoBudget(self.budget, device=self.device, paths=mode_paths(
+                                self.gated_modes or self.drafting.num_modes, self.drafting.num_modes,
+                                gated=self.drafting.gated, mode_subsets=options.mode_subsets is not False,
+                                single_mode_path=algorithm == "MFD_D"))
                             if options.auto_budget else None)
         # MFD_D with a fixed budget: the single-mode path from this many running requests on.
         self.switch_threshold = options.switch_threshold if algorithm == "MFD_D" and not options.auto_budget else None
@@ -109,9 +115,11 @@ class MFDWorkerV2(BaseSpecWorker):
             verify_graphs=options.auto_budget and str(self.device).startswith("cuda"))
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
         cfg = drafting.drafter.cfg
-        logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s), block %d, linears %s), tree budget %s, "
+        logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s)%s, block %d, linears %s), tree budget %s, "
                     "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm,
-                    spec.speculative_draft_model_path, cfg.num_hidden_layers, drafting.num_modes, cfg.block_size,
+                    spec.speculative_draft_model_path, cfg.num_hidden_layers, drafting.num_modes,
+                    f", each request's {self.gated_modes} best by the mode gate" if self.gated_modes else "",
+                    cfg.block_size,
                     "fp8 e4m3" if self.draft_quantization == "fp8" else "unquantized",
                     self.auto_budget.describe() if self.auto_budget else self.budget,
                     "auto" if self.auto_budget else self.switch_threshold or "never", drafting.tree_backend,
@@ -280,12 +288,14 @@ class MFDWorkerV2(BaseSpecWorker):
         if single_mode != self.single_mode:
             self.single_mode = single_mode
             logger.info("MFD_D: %d running requests, switching to the %s path", bs,
-                        "single-mode" if single_mode else f"{self.drafting.num_modes}-mode")
-        return Arm(single_mode, self.budget)
+                        "single-mode" if single_mode else f"{self.gated_modes or self.drafting.num_modes}-mode")
+        return Arm(single_mode, self.budget, None if single_mode else self.gated_modes)
 
     def fixed_arms(self) -> list[Arm]:
-        """The arms a fixed budget drafts: the K-mode path, and MFD_D's single-mode path."""
-        return [Arm(single, self.budget) for single in ((False, True) if self.switch_threshold is not None else (False,))]
+        """The arms a fixed budget drafts: the K-mode path (or the gate's K' modes), and MFD_D's single-mode
+        path."""
+        return [Arm(False, self.budget, self.gated_modes)] + ([Arm(True, self.budget)] if self.switch_threshold
+                                                             is not None else [])
 
     # --- tensor parallelism -----------------------------------------------------------------------
     def from_rank0(self, *tensors: torch.Tensor) -> None:
