@@ -5,6 +5,7 @@ MFD launch (`resolve`: where launch refusals are held to SGLang's own parsing)."
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import requests
 
+from mfd_sglang.hf import plain_greedy
 from mfd_sglang.server_process import (  # noqa: F401 (re-exported)
     ServerProcess, free_port, generate_ids, launch_command, log_tail, post_json,
 )
@@ -95,6 +97,22 @@ def chat_ids(server: ServerProcess, messages: list[dict], max_new_tokens: int) -
     choice = out["choices"][0]
     # 0.5.23 puts the ids of a chat choice in prompt_token_ids / response_token_ids
     return choice.get("prompt_token_ids"), choice.get("response_token_ids", choice.get("token_ids"))
+
+
+def run_six_and_one(server: ServerProcess, hf_target, tiny_prompts: list[str]) -> dict:
+    """Six requests of different lengths at once (6 -> 1 running), then one alone: greedy output equal
+    to the target's (`hf_target`: the tiny pair's fp32 model and tokenizer). Returns the lone request's
+    meta_info (its accept length: completion_tokens / spec_verify_ct)."""
+    model, tok = hf_target
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
+    lengths = [8, 24, 12, 32, 10, 16]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        outputs = list(pool.map(lambda i: generate_ids(server, prompts[i], lengths[i])[0], range(6)))
+    for ids, n, got in zip(prompts, lengths, outputs):
+        assert got == plain_greedy(model, ids, n), log_tail(server.log_path)
+    alone, meta = generate_ids(server, prompts[1], 24)
+    assert alone == outputs[1]
+    return meta
 
 
 def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -23,7 +23,7 @@ from mfd_sglang.serving.budget import (PLAIN, SINGLE_MODE, Arm, BudgetChooser, P
                                        candidate_budgets, mode_paths)
 from mfd_sglang.serving.options import read_options
 from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, served_without_leaks, start_server
+from servers import generate_ids, log_tail, run_six_and_one, served_without_leaks, start_server
 
 
 K_MODES = Path()
@@ -75,20 +75,20 @@ class SimulatedServer:
 
 
 # A gated drafter of K = 4 modes: the gate's best 2 accept almost as much as all 4 for half the draft.
-SUBSETS = mode_paths(4, 4, gated=True, mode_subsets=True, single_mode_path=False)
+SUBSETS = mode_paths(4, gated=True, mode_subsets=True, single_mode_path=False)
 HALF, ONE = Path(modes=2), Path(modes=1)
 
 
 def test_mode_paths():
     assert SUBSETS == (K_MODES, HALF, ONE)
-    assert mode_paths(4, 4, gated=True, mode_subsets=True, single_mode_path=True) == (K_MODES, HALF, ONE, SINGLE_MODE)
-    assert mode_paths(2, 2, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES, ONE)
-    assert mode_paths(8, 8, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES, Path(modes=4), ONE)
+    assert mode_paths(4, gated=True, mode_subsets=True, single_mode_path=True) == (K_MODES, HALF, ONE, SINGLE_MODE)
+    assert mode_paths(2, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES, ONE)
+    assert mode_paths(8, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES, Path(modes=4), ONE)
     for gated, subsets in ((False, True), (True, False)):
-        assert mode_paths(4, 4, gated=gated, mode_subsets=subsets, single_mode_path=True) == MFD_D
-    assert mode_paths(1, 1, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES,)
+        assert mode_paths(4, gated=gated, mode_subsets=subsets, single_mode_path=True) == MFD_D
+    assert mode_paths(1, gated=True, mode_subsets=True, single_mode_path=False) == (K_MODES,)
     # MFD_SGLANG_NUM_MODES=4 on a gated drafter of 8: the top path is each request's 4 best, not all 8
-    assert mode_paths(4, 8, gated=True, mode_subsets=True, single_mode_path=False) == (Path(modes=4), HALF, ONE)
+    assert mode_paths(8, gated=True, mode_subsets=True, single_mode_path=False, gated_modes=4) == (Path(modes=4), HALF, ONE)
 
 
 @pytest.mark.parametrize("case", ["speculation-pays", "verify-too-dear", "mfd_d", "mode-subsets"])
@@ -260,20 +260,6 @@ def auto_server(tiny_pair, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=6,
                        log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1"})
     yield from served_without_leaks(srv)
-
-
-def run_six_and_one(server, hf_target, tiny_prompts) -> None:
-    """Six requests of different lengths at once (6 -> 1 running), then one alone: greedy output equal
-    to the target's."""
-    model, tok = hf_target
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
-    lengths = [8, 24, 12, 32, 10, 16]
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        outputs = list(pool.map(lambda i: generate_ids(server, prompts[i], lengths[i])[0], range(6)))
-    for ids, n, got in zip(prompts, lengths, outputs):
-        assert got == target_greedy(model, ids, n), log_tail(server.log_path)
-    alone, meta = generate_ids(server, prompts[1], 24)
-    assert alone == outputs[1]
 
 
 def calibrated_costs(log: str) -> dict[str, list[float]]:

@@ -2,7 +2,7 @@
 drafter given a random mode gate (K = 4): each request drafts its K' best modes under the gate.
 
 - MFD_SGLANG_NUM_MODES=2 with a fixed budget: every round drafts the gate's 2 best modes of each request;
-  greedy output is the target's, alone and six at a time, with speculation seen (the accept length is
+  greedy output is the target's, six at a time and alone (`servers.run_six_and_one`), with speculation seen (the accept length is
   asserted and reported), and seeded T = 1 sampling is the reference sampler's.
 - The automatic budget: its paths are K, the gate's best 2 and best 1 (`budget.mode_paths`); it plays
   each path's largest tree first (their acceptance is unmeasured), so rounds of every path run; the
@@ -13,19 +13,16 @@ drafter given a random mode gate (K = 4): each request drafts its K' best modes 
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 
 import pytest
 import torch
 
-from conftest import target_greedy
 from mfd_sglang.checkpoint import load_drafter, save_drafter
 from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, resolve, served_without_leaks, start_server
+from servers import generate_ids, log_tail, resolve, run_six_and_one, served_without_leaks, start_server
 
 BUDGET = 16
-LENGTHS = [8, 24, 12, 32, 10, 16]  # six requests of different lengths: 6 -> 1 running
 
 
 @pytest.fixture(scope="module")
@@ -58,44 +55,25 @@ def auto_server(tiny_pair, gated_drafter, tmp_path_factory):
     yield from served_without_leaks(srv)
 
 
-def six_at_once(server, prompts) -> list[tuple[list[int], dict]]:
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        return list(pool.map(lambda i: generate_ids(server, prompts[i], LENGTHS[i]), range(6)))
-
-
-def prompt_ids(hf_target, tiny_prompts) -> list[list[int]]:
-    _, tok = hf_target
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
-
-
 def test_the_gates_two_best_modes_decode_exactly_with_speculation_seen(two_modes_server, hf_target, tiny_prompts):
-    model, _ = hf_target
     log = two_modes_server.log()
     assert "K = 4 mode(s), each request's 2 best by the mode gate" in log, log_tail(two_modes_server.log_path)
-    prompts = prompt_ids(hf_target, tiny_prompts)
-    outputs = six_at_once(two_modes_server, prompts)
-    for ids, n, (got, _) in zip(prompts, LENGTHS, outputs):
-        assert got == target_greedy(model, ids, n), log_tail(two_modes_server.log_path)
-    alone, meta = generate_ids(two_modes_server, prompts[3], 32)
-    assert alone == outputs[3][0]
+    meta = run_six_and_one(two_modes_server, hf_target, tiny_prompts)
     accept_length = meta["completion_tokens"] / meta["spec_verify_ct"]
     print(f"accept length, the gate's 2 best of 4 modes, B = {BUDGET}, alone: {accept_length:.2f}")
     assert accept_length > 3, meta
 
 
 def test_the_gates_two_best_modes_keep_seeded_sampling(two_modes_server, hf_target, tiny_prompts):
-    model, _ = hf_target
-    ids = prompt_ids(hf_target, tiny_prompts)[2]
+    model, tok = hf_target
+    ids = tok(tiny_prompts[2], add_special_tokens=False)["input_ids"]
     expected = reference_sample(model, ids, 20, (1.0, TOP_K_ALL, 0.95, 0.0), seed=5)
     got, _ = generate_ids(two_modes_server, ids, 20, temperature=1.0, top_p=0.95, sampling_seed=5)
     assert got == expected
 
 
 def test_the_automatic_budget_plays_every_mode_subset_and_stays_exact(auto_server, hf_target, tiny_prompts):
-    model, _ = hf_target
-    prompts = prompt_ids(hf_target, tiny_prompts)
-    for ids, n, (got, _) in zip(prompts, LENGTHS, six_at_once(auto_server, prompts)):
-        assert got == target_greedy(model, ids, n), log_tail(auto_server.log_path)
+    run_six_and_one(auto_server, hf_target, tiny_prompts)
     log = auto_server.log()
     assert "paths: K-mode draft, gate's best 2 mode(s), gate's best 1 mode(s)" in log, log_tail(auto_server.log_path)
     for path in ("K-mode draft", "gate's best 2 mode(s)", "gate's best 1 mode(s)"):

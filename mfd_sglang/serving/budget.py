@@ -67,15 +67,16 @@ PLAIN = Arm(False, 0)
 SINGLE_MODE = Path(single_mode=True)
 
 
-def mode_paths(num_modes: int, drafter_modes: int, *, gated: bool, mode_subsets: bool,
-               single_mode_path: bool) -> tuple[Path, ...]:
-    """The paths the automatic budget chooses from: the K-mode draft of K = num_modes modes (every one of
-    the drafter's drafter_modes, or with a mode gate each request's K best: MFD_SGLANG_NUM_MODES); with a
-    gate and mode_subsets, also each request's K/2 and 1 best (a K'-mode draft costs about K'/K of K's,
-    plus the gate's root-only pass, and at the small budgets a large batch affords keeps most of K's
-    acceptance: README, "Fewer modes per request"); MFD_D's single-mode path."""
-    counts = sorted({num_modes // 2, 1} - {0, num_modes}, reverse=True) if gated and mode_subsets else []
-    return ((Path(modes=None if num_modes == drafter_modes else num_modes),) + tuple(Path(modes=k) for k in counts)
+def mode_paths(num_modes: int, *, gated: bool, mode_subsets: bool, single_mode_path: bool,
+               gated_modes: int | None = None) -> tuple[Path, ...]:
+    """The paths the automatic budget chooses from: the K-mode draft, of the drafter's num_modes modes or
+    with a mode gate of each request's gated_modes best (MFD_SGLANG_NUM_MODES); with a gate and
+    mode_subsets, also each request's K/2 and 1 best (a K'-mode draft costs about K'/K of K's, plus the
+    gate's root-only pass, and at the small budgets a large batch affords keeps most of K's acceptance:
+    README, "Fewer modes per request"); MFD_D's single-mode path."""
+    k = gated_modes or num_modes
+    counts = sorted({k // 2, 1} - {0, k}, reverse=True) if gated and mode_subsets else []
+    return ((Path(modes=gated_modes),) + tuple(Path(modes=count) for count in counts)
             + ((SINGLE_MODE,) if single_mode_path else ()))
 
 

@@ -100,9 +100,9 @@ class MFDWorkerV2(BaseSpecWorker):
         self.gated_modes = (options.num_modes if self.drafting.gated and options.num_modes is not None
                             and options.num_modes < self.drafting.num_modes else None)
         self.auto_budget = (AutoBudget(self.budget, device=self.device, paths=mode_paths(
-                                self.gated_modes or self.drafting.num_modes, self.drafting.num_modes,
-                                gated=self.drafting.gated, mode_subsets=options.mode_subsets is not False,
-                                single_mode_path=algorithm == "MFD_D"))
+                                self.drafting.num_modes, gated=self.drafting.gated,
+                                mode_subsets=options.mode_subsets is not False,
+                                single_mode_path=algorithm == "MFD_D", gated_modes=self.gated_modes))
                             if options.auto_budget else None)
         # MFD_D with a fixed budget: the single-mode path from this many running requests on.
         self.switch_threshold = options.switch_threshold if algorithm == "MFD_D" and not options.auto_budget else None
