@@ -53,6 +53,10 @@ class TargetConfig:
         return cls(2560, 36, 32, 8, 128, 9728, 151936, 1e6, 1e-6, draft_layers=5, block_size=16)
 
     @classmethod
+    def qwen3_8b(cls) -> "TargetConfig":
+        return cls(4096, 36, 32, 8, 128, 12288, 151936, 1e6, 1e-6, draft_layers=5, block_size=16)
+
+    @classmethod
     def tiny(cls) -> "TargetConfig":
         return cls(64, 6, 4, 2, 16, 128, 128, 1e4, 1e-6, draft_layers=2, block_size=8)
 

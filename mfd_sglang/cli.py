@@ -94,6 +94,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_ledger(args: argparse.Namespace) -> int:
+    from .gpu_ledger import run
+
+    return run(args, "python -m mfd_sglang " + " ".join(args.argv))
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import check_fits_target, describe, load_drafter
 
@@ -368,6 +374,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids = generated ids only)")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("gpu-ledger", help="the CUDA kernels, bytes, FLOPs and predicted H200 ms of MFD's own round "
+                       "stages, and the sm_90a / sm_80 compiles of its Triton kernels, counted on a CPU (minutes)",
+                       description="Traces the serving worker's stages on fake CUDA tensors (every kernel they would "
+                                   "launch), fits the cost model's launch floor to the committed H200 log and compiles "
+                                   "every Triton kernel with Triton's ptxas: see mfd_sglang/gpu_ledger.py.")
+    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json, PREFIX.md and PREFIX.png "
+                   "(e.g. benchmarks/results/gpu-ledger-DATE)")
+    p.add_argument("--shapes", nargs="+", choices=["qwen3-4b", "qwen3-8b"], default=["qwen3-4b", "qwen3-8b"],
+                   help="drafter shapes (default: both)")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32], help="default 1 8 32")
+    p.add_argument("--configs", nargs="+", choices=["mfd", "mfd_d"], default=["mfd", "mfd_d"],
+                   help="mfd: K = 8 modes; mfd_d: its single-mode path (default: both)")
+    p.add_argument("--budgets", nargs="+", type=int, default=[16, 64], help="tree budgets B (default 16 64)")
+    p.add_argument("--log", type=Path, help="GPU check log whose round rows the launch floor is fitted to "
+                   "(default: the committed H200 log, benchmarks/results/fp8-draft-h200-2026-12-04.log)")
+    p.add_argument("--fit-on", nargs="+", choices=["ar_step_ms", "draft_ms", "round_ms"], default=["ar_step_ms"],
+                   help="the log's quantities the floor is fitted on (default ar_step_ms: the plain decode step); "
+                   "residuals are printed for all")
+    p.set_defaults(func=_gpu_ledger)
 
     p = sub.add_parser("inspect", help="validate and describe a drafter checkpoint")
     p.add_argument("path", help="drafter directory")

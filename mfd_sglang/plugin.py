@@ -66,7 +66,7 @@ def register() -> None:
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
     from .patches import (hybrid_tree_verify, installed_check, launch_checks, penalty_state, request_checks,
-                          tree_verify_graph_runner)
+                          retraction_backup, tree_verify_graph_runner)
 
     try:
         from .serving.algorithms import register_algorithms
@@ -81,6 +81,7 @@ def register() -> None:
     penalty_state.install()
     tree_verify_graph_runner.install()
     hybrid_tree_verify.install()
+    retraction_backup.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()
     installed_check.install()

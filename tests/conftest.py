@@ -92,5 +92,21 @@ def tiny_prompts(tiny_pair) -> list[str]:
     return json.loads((tiny_pair / "prompts.json").read_text())
 
 
+@pytest.fixture(scope="session")
+def reference_target(tiny_pair):
+    """The tiny target as the reference engine loads it (fp32, SDPA attention)."""
+    from mfd_sglang.hf import load_target
+
+    return load_target(tiny_pair / "target")
+
+
+def reference_drafter(path: Path):
+    """A drafter checkpoint as the reference engine loads it (fp32)."""
+    from mfd_sglang.checkpoint import load_drafter
+    from mfd_sglang.drafter import MFDDrafter
+
+    return MFDDrafter.from_checkpoint(load_drafter(path), dtype=torch.float32)
+
+
 # The ground truth every test holds a speculative path to: the target's plain greedy decoding.
 target_greedy = plain_greedy

@@ -1,16 +1,20 @@
 """Server helpers for tests: starting real SGLang CPU servers (refused when a hook did not apply), the
 check every server's fixture ends with (idle, healthy, no KV leak), requests against an
-OpenAI-compatible SGLang server that return generated token ids, and SGLang's argument resolution of an
-MFD launch (`resolve`: where launch refusals are held to SGLang's own parsing)."""
+OpenAI-compatible SGLang server that return generated token ids, the test plugins' environment and the
+rounds the round-trace plugin logged (`round_traces`), and SGLang's argument resolution of an MFD launch
+(`resolve`: where launch refusals are held to SGLang's own parsing)."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import requests
 
@@ -23,6 +27,38 @@ REPO = Path(__file__).resolve().parents[1]
 # What SGLang 0.5.23's HookRegistry.apply_hooks logs, with the traceback, in any process where a hook's
 # target did not resolve or could not be patched; SGLang then carries on without that hook.
 HOOK_FAILURE = "Failed to apply hooks"
+
+
+def plugin_env(*names: str) -> dict:
+    """The environment that loads the test plugins `names` (folders of tests/plugins: `rank_rng`,
+    `round_trace`) into every server process, beside what PYTHONPATH already holds."""
+    folders = [str(REPO / "tests" / "plugins" / name) for name in names]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [*folders, os.environ.get("PYTHONPATH")]))}
+
+
+class TracedRound(NamedTuple):
+    """One request's decode round as the round-trace plugin logged it: the arm drafted, what was accepted."""
+
+    tp_rank: int
+    batch_size: int  # requests in the round's batch
+    arm: tuple  # (single_mode, budget, modes): the serving worker's `Arm`
+    accepted: int  # accepted draft tokens, the bonus token excluded
+
+
+ROUND_TRACE = re.compile(r"round_trace: tp_rank=(\d+) rid=(\S+) bs=(\d+) single_mode=([01]) budget=(\d+) modes=(\w+) "
+                         r"accepted=(\d+)")
+
+
+def round_traces(server: ServerProcess, *, tp_rank: int | None = None, since: int = 0) -> dict[str, list[TracedRound]]:
+    """{rid: its rounds, in order} of a server started with `plugin_env("round_trace")`, as tensor-parallel
+    rank `tp_rank` ran them (None: every rank's lines, for servers whose ranks hold different requests:
+    replicas, attention DP), from character `since` of its log on."""
+    rounds = collections.defaultdict(list)
+    for rank, rid, bs, single, budget, modes, accepted in ROUND_TRACE.findall(server.log()[since:]):
+        if tp_rank is None or int(rank) == tp_rank:
+            arm = (single == "1", int(budget), None if modes == "all" else int(modes))
+            rounds[rid].append(TracedRound(int(rank), int(bs), arm, int(accepted)))
+    return dict(rounds)
 
 
 def start(cmd: list, log_path: Path, *, port: int, env: dict, startup_timeout: float = 600) -> ServerProcess:
@@ -99,20 +135,29 @@ def chat_ids(server: ServerProcess, messages: list[dict], max_new_tokens: int) -
     return choice.get("prompt_token_ids"), choice.get("response_token_ids", choice.get("token_ids"))
 
 
-def run_six_and_one(server: ServerProcess, hf_target, tiny_prompts: list[str]) -> dict:
+class Served(NamedTuple):
+    """A greedy request a test sent: its prompt, max_new_tokens and the server's meta_info."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    meta: dict
+
+
+def run_six_and_one(server: ServerProcess, hf_target, tiny_prompts: list[str]) -> list[Served]:
     """Six requests of different lengths at once (6 -> 1 running), then one alone: greedy output equal
-    to the target's (`hf_target`: the tiny pair's fp32 model and tokenizer). Returns the lone request's
-    meta_info (its accept length: completion_tokens / spec_verify_ct)."""
+    to the target's (`hf_target`: the tiny pair's fp32 model and tokenizer). Returns the seven requests,
+    the lone one last (its accept length: completion_tokens / spec_verify_ct)."""
     model, tok = hf_target
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
     lengths = [8, 24, 12, 32, 10, 16]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        outputs = list(pool.map(lambda i: generate_ids(server, prompts[i], lengths[i])[0], range(6)))
-    for ids, n, got in zip(prompts, lengths, outputs):
+        outputs = list(pool.map(lambda i: generate_ids(server, prompts[i], lengths[i]), range(6)))
+    for ids, n, (got, _) in zip(prompts, lengths, outputs):
         assert got == plain_greedy(model, ids, n), log_tail(server.log_path)
     alone, meta = generate_ids(server, prompts[1], 24)
-    assert alone == outputs[1]
-    return meta
+    assert alone == outputs[1][0]
+    return [Served(ids, n, out_meta) for ids, n, (_, out_meta) in zip(prompts, lengths, outputs)] + [
+        Served(prompts[1], 24, meta)]
 
 
 def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -2,13 +2,16 @@
 simulated servers whose best arm and costs are known (with and without a start-up calibration; a drafter
 that accepts nothing gets plain decoding), and MFD_D servers with it on CPU (tiny pair, fp32), held to what
 does not depend on their round times: exact greedy output across batch sizes while it switches budgets,
-the start-up calibration of every arm, seeded sampling unchanged, logprobs of the emitted tokens, no leak;
-with a drafter that accepts nothing, exact."""
+a lone request's rounds (as the round-trace test plugin logs them: the arm the draft stage drafted, the
+tokens accepted) the reference engine's for the same arms round by round, the start-up calibration of
+every arm (positive, finite), seeded sampling unchanged, logprobs of the emitted tokens, no leak; with a
+drafter that accepts nothing, exact."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import random
 import re
 
@@ -16,14 +19,15 @@ import pytest
 import requests
 import torch
 
-from conftest import target_greedy
+from conftest import reference_drafter, target_greedy
 from mfd_sglang.checkpoint import load_drafter, save_drafter
 from mfd_sglang.serving import budget as budget_module
 from mfd_sglang.serving.budget import (PLAIN, SINGLE_MODE, Arm, BudgetChooser, Path, RoundClock, batch_bucket,
                                        candidate_budgets, mode_paths)
 from mfd_sglang.serving.options import read_options
-from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, run_six_and_one, served_without_leaks, start_server
+from references import TOP_K_ALL, assert_served_as_reference_rounds, reference_sample
+from servers import (generate_ids, plugin_env, round_traces, run_six_and_one, served_without_leaks,
+                     start_server)
 
 
 K_MODES = Path()
@@ -258,7 +262,7 @@ def test_the_option_is_checked():
 def auto_server(tiny_pair, tmp_path_factory):
     """MFD_D with the automatic budget, at most B = 16, room for 6 running requests, INFO log."""
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=6,
-                       log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1"})
+                       log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1", **plugin_env("round_trace")})
     yield from served_without_leaks(srv)
 
 
@@ -269,17 +273,25 @@ def calibrated_costs(log: str) -> dict[str, list[float]]:
     return {m.group(1).strip(): [float(x) for x in m.group(2).split()] for m in rows if m}
 
 
-def test_auto_budget_stays_exact_while_it_switches(auto_server, hf_target, tiny_prompts):
+def test_auto_budget_drafts_the_arms_it_chooses_and_stays_exact(auto_server, reference_target, tiny_pair,
+                                                                 hf_target, tiny_prompts):
     """Exact output while the chooser switches between the largest trees of both drafting paths (what it
     plays first, whatever the times: their acceptance is not measured yet) and whatever the round times
-    make it choose next (the policy itself: the simulations above). It was calibrated at start-up: every
-    arm at every batch-size bucket up to the 6 running requests (1, 2, 4, 8)."""
-    run_six_and_one(auto_server, hf_target, tiny_prompts)
-    log = auto_server.log()
-    costs = calibrated_costs(log)
+    make it choose next (the policy itself: the simulations above). Every request's rounds are the
+    reference engine's for the arms the draft stage drafted, round by round; drafting the launch arm
+    (B = 16, K modes) every round accepts otherwise on some request, so a worker that ignored the chosen
+    arm fails it. It was calibrated at start-up: every arm at every batch-size bucket up to the 6 running
+    requests (1, 2, 4, 8), each a positive, finite time."""
+    served = run_six_and_one(auto_server, hf_target, tiny_prompts)
+    traces = round_traces(auto_server)
+    paths = {r.arm[0] for rounds in traces.values() for r in rounds if r.arm[1] > 0}
+    assert paths == {False, True}, f"the paths the draft stage drafted (single_mode): {paths}"
+    runs = assert_served_as_reference_rounds(served, traces, reference_target, reference_drafter(tiny_pair / "drafter"),
+                                             ignored_arm=(False, 16, None))
+    print(f"lone request's rounds (arm, accepted): {list(zip(*runs[-1]))}")
+    costs = calibrated_costs(auto_server.log())
     assert len(costs) == 7 and all(len(ms) == 4 for ms in costs.values()), costs
-    for arm in ("budget 16, K-mode draft", "budget 16, single-mode draft"):
-        assert f"timing {arm}" in log, log_tail(auto_server.log_path)
+    assert all(0 < t < math.inf for ms in costs.values() for t in ms), costs
 
 
 @pytest.fixture(scope="module")
@@ -292,18 +304,23 @@ def mismatched_server(tiny_pair, tmp_path_factory):
     drafter = tmp_path_factory.mktemp("mismatched") / "drafter"
     save_drafter(drafter, json.loads((tiny_pair / "drafter" / "config.json").read_text()), weights)
     srv = start_server(tmp_path_factory, tiny_pair, drafter, "MFD_D", 16, max_running=6,
-                       log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1"})
+                       log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1", **plugin_env("round_trace")})
+    srv.drafter = drafter
     yield from served_without_leaks(srv)
 
 
-def test_auto_budget_stays_exact_with_a_drafter_that_accepts_nothing(mismatched_server, hf_target, tiny_prompts):
+def test_auto_budget_stays_exact_with_a_drafter_that_accepts_nothing(mismatched_server, reference_target, hf_target,
+                                                                    tiny_prompts):
     """With a drafter that accepts next to nothing the chooser plays each path's largest tree until their
     acceptance is measured, then what the round times make it choose (plain decoding, by the policy's
-    simulation above); the output stays the target's through those switches."""
-    run_six_and_one(mismatched_server, hf_target, tiny_prompts)
-    log = mismatched_server.log()
-    for arm in ("budget 16, K-mode draft", "budget 16, single-mode draft"):
-        assert f"timing {arm}" in log, log_tail(mismatched_server.log_path)
+    simulation above); the output stays the target's through those switches, and the lone request's rounds
+    are the reference engine's for the arms the draft stage drafted."""
+    served = run_six_and_one(mismatched_server, hf_target, tiny_prompts)
+    traces = round_traces(mismatched_server)
+    drafted = {r.arm for rounds in traces.values() for r in rounds}
+    assert {(False, 16, None), (True, 16, None)} <= drafted, f"the arms the draft stage drafted: {drafted}"
+    assert_served_as_reference_rounds(served, traces, reference_target, reference_drafter(mismatched_server.drafter),
+                                      ignored_arm=None)
 
 
 def test_auto_budget_keeps_seeded_sampling_and_logprobs(auto_server, hf_target, tiny_prompts):

@@ -1,13 +1,14 @@
 """SGLang's own DFLASH (`--speculative-algorithm DFLASH`: its chain drafter and spec-V2 worker) in real CPU
 servers through `python -m mfd_sglang.cpu.launch_server` (the hooks of `mfd_sglang/patches/cpu_dflash.py`),
 fp32, overlap scheduling on: greedy output equals the target's plain greedy decoding token for token for
-concurrent requests, and the accept length SGLang reports is above 1 (speculation happened).
+concurrent requests, with the accept length of the reference engine's chain rounds for the same drafter.
 
 - The tiny pair with make-tiny's single-mode drafter (drafter-dflash): six requests at once; each one's
   verify rounds are also the reference engine's chain rounds with the same drafter (block 8: seven drafted
   tokens), so SGLang's DFlash drafter reads the checkpoint as this project's drafter does.
 - SmolLM2-135M-Instruct with the shipped drafter `drafters/smollm2-135m/dflash`: three held-out chat
-  prompts at once (SGLang drafts over the full vocabulary: it ignores the drafter's draft_vocab).
+  prompts at once, accepting at least 95% of what the reference engine's chain rounds accept (SGLang
+  drafts over the full vocabulary: it ignores the drafter's draft_vocab).
 - SGLang's own argument resolution of a CPU DFLASH launch (a subprocess, as the launcher runs it): the
   drafter's block size, top-k 1, one step; the draft attention backend mfd_cpu by default, triton kept,
   any other replaced by mfd_cpu; a target attention backend without TARGET_VERIFY refused by name.
@@ -99,7 +100,16 @@ def test_smollm2_dflash_with_the_shipped_drafter_is_exact_for_concurrent_chats(s
     served = generate_all(smollm2_dflash_server, prompts, MAX_NEW)
     for ids, (out, _) in zip(prompts, served):
         assert out == target_greedy(model, ids, MAX_NEW), tokenizer.decode(ids)
-    assert accept_length([meta for _, meta in served]) > 1.0
+    chain = SpeculativeGenerator.from_paths(smollm2_dflash_server.target, SHIPPED_DRAFTER, tree="chain", budget=15,
+                                            single_mode=True).generate_batch(prompts, MAX_NEW)
+    reference = sum(len(r.token_ids) for r in chain) / sum(len(r.rounds) for r in chain)
+    served_accept = accept_length([meta for _, meta in served])
+    print(f"SmolLM2 DFLASH accept length {served_accept:.2f}, the reference engine's chain {reference:.2f}; "
+          f"per request {[m['spec_verify_ct'] for _, m in served]} vs {[len(r.rounds) for r in chain]} rounds")
+    # SGLang drafts over the full vocabulary, the reference engine over the drafter's draft_vocab: a round
+    # apart here and there (1.20 vs 1.22 when written), where drafting without the context accepts next to
+    # nothing (1.0).
+    assert served_accept >= 0.95 * reference, (served_accept, reference)
 
 
 RESOLVE = """

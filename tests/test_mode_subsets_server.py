@@ -2,11 +2,16 @@
 drafter given a random mode gate (K = 4): each request drafts its K' best modes under the gate.
 
 - MFD_SGLANG_NUM_MODES=2 with a fixed budget: every round drafts the gate's 2 best modes of each request;
-  greedy output is the target's, six at a time and alone (`servers.run_six_and_one`), with speculation seen (the accept length is
-  asserted and reported), and seeded T = 1 sampling is the reference sampler's.
+  greedy output is the target's, six at a time and alone (`servers.run_six_and_one`); alone, a request's
+  rounds are the reference engine's with the gate's 2 best modes (as many rounds, the same histogram of
+  accepted draft tokens) on prompts where drafting all 4 modes accepts otherwise (so a worker that drafted
+  every mode would fail it), the accept length asserted and reported; seeded sampling on a law with spread
+  is the reference sampler's.
 - The automatic budget: its paths are K, the gate's best 2 and best 1 (`budget.mode_paths`); it plays
   each path's largest tree first (their acceptance is unmeasured), so rounds of every path run; the
-  output stays the target's through the switches.
+  output stays the target's through the switches, and every request's rounds, as the round-trace test
+  plugin logs them (the arm the draft stage drafted, the tokens accepted), are the reference engine's for
+  the same arms round by round, which drafting every round with all modes is not.
 - MFD_SGLANG_MODE_SUBSETS=1 is refused on SGLang's real argument resolution without a gate or without the
   automatic budget.
 """
@@ -18,11 +23,16 @@ import json
 import pytest
 import torch
 
+from conftest import reference_drafter
 from mfd_sglang.checkpoint import load_drafter, save_drafter
-from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, resolve, run_six_and_one, served_without_leaks, start_server
+from mfd_sglang.hf import SpeculativeGenerator
+from references import (SPREAD_LAW, assert_served_as_reference_rounds, request_law, served_summary, spread_samples,
+                        verify_summary)
+from servers import (generate_ids, log_tail, plugin_env, resolve, round_traces, run_six_and_one,
+                     served_without_leaks, start_server)
 
 BUDGET = 16
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
@@ -51,33 +61,52 @@ def two_modes_server(tiny_pair, gated_drafter, tmp_path_factory):
 @pytest.fixture(scope="module")
 def auto_server(tiny_pair, gated_drafter, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, gated_drafter, "MFD", BUDGET, max_running=6, log_level="info",
-                       extra_env={"MFD_SGLANG_AUTO_BUDGET": "1"})
+                       extra_env={"MFD_SGLANG_AUTO_BUDGET": "1", **plugin_env("round_trace")})
     yield from served_without_leaks(srv)
 
 
-def test_the_gates_two_best_modes_decode_exactly_with_speculation_seen(two_modes_server, hf_target, tiny_prompts):
+def test_the_gates_two_best_modes_decode_exactly_as_the_reference_rounds(two_modes_server, reference_target,
+                                                                         gated_drafter, hf_target, tiny_prompts):
     log = two_modes_server.log()
     assert "K = 4 mode(s), each request's 2 best by the mode gate" in log, log_tail(two_modes_server.log_path)
-    meta = run_six_and_one(two_modes_server, hf_target, tiny_prompts)
-    accept_length = meta["completion_tokens"] / meta["spec_verify_ct"]
-    print(f"accept length, the gate's 2 best of 4 modes, B = {BUDGET}, alone: {accept_length:.2f}")
-    assert accept_length > 3, meta
+    run_six_and_one(two_modes_server, hf_target, tiny_prompts)
+    _, tok = hf_target
+    drafter = reference_drafter(gated_drafter)
+    two, four = (SpeculativeGenerator(reference_target, drafter, budget=BUDGET, num_modes=k) for k in (2, 4))
+    differing, tokens, rounds = 0, 0, 0
+    for text in tiny_prompts[:4]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        got, meta = generate_ids(two_modes_server, ids, MAX_NEW)
+        reference = two.generate(ids, MAX_NEW)
+        assert got == reference.token_ids
+        assert served_summary(meta) == verify_summary(reference), (text, meta)
+        differing += verify_summary(four.generate(ids, MAX_NEW)) != verify_summary(reference)
+        tokens, rounds = tokens + meta["completion_tokens"], rounds + meta["spec_verify_ct"]
+    assert differing >= 2, f"all 4 modes accept as the gate's best 2 on {4 - differing} of 4 prompts: no proof"
+    print(f"accept length, the gate's 2 best of 4 modes, B = {BUDGET}, alone: {tokens / rounds:.2f} "
+          f"({differing} of 4 prompts accept otherwise with all 4 modes)")
+    assert tokens / rounds > 3
 
 
 def test_the_gates_two_best_modes_keep_seeded_sampling(two_modes_server, hf_target, tiny_prompts):
     model, tok = hf_target
     ids = tok(tiny_prompts[2], add_special_tokens=False)["input_ids"]
-    expected = reference_sample(model, ids, 20, (1.0, TOP_K_ALL, 0.95, 0.0), seed=5)
-    got, _ = generate_ids(two_modes_server, ids, 20, temperature=1.0, top_p=0.95, sampling_seed=5)
-    assert got == expected
+    for seed, expected in zip((5, 6), spread_samples(model, ids, 20, [5, 6])):
+        got, _ = generate_ids(two_modes_server, ids, 20, **request_law(SPREAD_LAW), sampling_seed=seed)
+        assert got == expected, seed
 
 
-def test_the_automatic_budget_plays_every_mode_subset_and_stays_exact(auto_server, hf_target, tiny_prompts):
-    run_six_and_one(auto_server, hf_target, tiny_prompts)
+def test_the_automatic_budget_drafts_every_mode_subset_as_the_reference_rounds(auto_server, reference_target,
+                                                                                gated_drafter, hf_target, tiny_prompts):
+    served = run_six_and_one(auto_server, hf_target, tiny_prompts)
     log = auto_server.log()
     assert "paths: K-mode draft, gate's best 2 mode(s), gate's best 1 mode(s)" in log, log_tail(auto_server.log_path)
-    for path in ("K-mode draft", "gate's best 2 mode(s)", "gate's best 1 mode(s)"):
-        assert f"timing budget {BUDGET}, {path}" in log, log_tail(auto_server.log_path)
+    traces = round_traces(auto_server)
+    drafted = {r.arm[2] for rounds in traces.values() for r in rounds if r.arm[1] > 0}
+    assert drafted == {None, 2, 1}, f"the modes the draft stage drafted: {drafted}"
+    runs = assert_served_as_reference_rounds(served, traces, reference_target, reference_drafter(gated_drafter),
+                                             ignored_arm=(False, BUDGET, None))
+    print(f"lone request's rounds (arm, accepted): {list(zip(*runs[-1]))}")
 
 
 def test_mode_subsets_are_refused_without_a_gate_or_the_automatic_budget(tiny_pair, gated_drafter):

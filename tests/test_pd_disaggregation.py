@@ -10,26 +10,30 @@ pool); the decode server's first round drafts from it.
 - Greedy requests, concurrent, emit the target's greedy tokens, and each verifies in exactly the rounds it
   takes on a single MFD server (no PD): the same accept length, which a decode server without the prompt's
   drafter context does not reach (it drafts from an empty context).
-- Seeded T = 1 requests emit the samples a single MFD server is held to (`reference_sample`), and the single
-  server's own output.
+- Seeded requests, on a law with spread (their samples differ from greedy decoding and across seeds), emit
+  the samples a single MFD server is held to (`reference_sample`), and the single server's own output.
 - A request aborted on the decode server mid-stream leaves both servers exact and leak-free.
 - A decode server that retracts requests (forced by SGLANG_TEST_RETRACT; a retracted request's KV is
-  backed up and restored) stays exact, on MFD_D's two paths.
+  backed up and restored; SGLang's own log line counts the retracted requests) stays exact, on MFD_D's two
+  paths (the round-trace test plugin shows rounds of each), and every request's rounds are the reference
+  engine's for the arms it drafted: its drafter context survived the retraction.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import random
+import re
 import uuid
 
 import pytest
 import requests
 
-from conftest import target_greedy
+from conftest import reference_drafter, target_greedy
 from mfd_sglang.server_process import free_port, stream_then_abort
-from references import TOP_K_ALL, reference_sample
-from servers import assert_healthy_without_leaks, generate_ids, log_tail, post_json, start_server
+from references import SPREAD_LAW, assert_served_as_reference_rounds, request_law, spread_samples
+from servers import (Served, assert_healthy_without_leaks, generate_ids, log_tail, plugin_env, post_json,
+                     round_traces, start_server)
 
 MAX_NEW = 24
 BUDGET = 8
@@ -105,14 +109,17 @@ def test_greedy_requests_are_exact_and_accept_as_on_a_single_server(pd, prompts,
 def test_seeded_sampling_equals_a_single_mfd_server(pd, prompts, hf_target):
     prefill, decode, single = pd
     model, _ = hf_target
-    sample = dict(temperature=1.0, top_p=0.9)
-    seeds = list(range(21, 21 + len(prompts)))
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        served = list(pool.map(lambda i: pd_generate(prefill, decode, prompts[i], MAX_NEW, **sample,
-                                                     sampling_seed=seeds[i]), range(len(prompts))))
-    for ids, seed, (got, _) in zip(prompts, seeds, served):
-        assert got == reference_sample(model, ids, MAX_NEW, (1.0, TOP_K_ALL, 0.9, 0.0), seed), log_tail(decode.log_path)
-        assert got == generate_ids(single, ids, MAX_NEW, **sample, sampling_seed=seed)[0]
+    seeds = {i: [21 + i] + ([99] if i == 0 else []) for i in range(len(prompts))}  # two seeds on the first prompt
+    expected = {(i, seed): got for i, its in seeds.items()
+                for seed, got in zip(its, spread_samples(model, prompts[i], MAX_NEW, its))}
+    jobs = list(expected)
+    sample = request_law(SPREAD_LAW)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        served = list(pool.map(lambda job: pd_generate(prefill, decode, prompts[job[0]], MAX_NEW, **sample,
+                                                       sampling_seed=job[1]), jobs))
+    for (i, seed), (got, _) in zip(jobs, served):
+        assert got == expected[i, seed], log_tail(decode.log_path)
+        assert got == generate_ids(single, prompts[i], MAX_NEW, **sample, sampling_seed=seed)[0]
 
 
 def test_an_abort_on_the_decode_server_leaves_both_servers_exact(pd, prompts, hf_target):
@@ -130,20 +137,32 @@ def test_an_abort_on_the_decode_server_leaves_both_servers_exact(pd, prompts, hf
     assert_healthy_without_leaks(prefill)
 
 
-def test_retraction_on_the_decode_server_keeps_exactness(pd, prompts, hf_target, tiny_pair, tmp_path_factory):
+def test_retraction_on_the_decode_server_keeps_exactness(pd, prompts, reference_target, hf_target, tiny_pair,
+                                                         tmp_path_factory):
     """A second decode server, MFD_D switching to its single-mode path at 2 running requests, with a
-    retraction forced every third forward; its requests' KV is backed up and restored (`cpu_tensor`)."""
+    retraction forced every third forward; its requests' KV is backed up and restored (`cpu_tensor`). Without
+    overlap scheduling, so that each request's traced rounds are the rounds its output came from (with
+    overlap, a round in flight when its request is retracted is run again)."""
     prefill, _, _ = pd
     model, _ = hf_target
     decode = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", BUDGET, threshold=2,
-                          log_level="info", extra_args=transfer_args("decode"),
-                          extra_env={**PD_ENV, "SGLANG_TEST_RETRACT": "1"})
+                          log_level="info", extra_args=(*transfer_args("decode"), "--disable-overlap-schedule"),
+                          extra_env={**PD_ENV, "SGLANG_TEST_RETRACT": "1", **plugin_env("round_trace")})
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             served = list(pool.map(lambda ids: pd_generate(prefill, decode, ids, MAX_NEW), prompts[:3]))
-        assert "retract" in decode.log().lower(), "no request was retracted: the case proves nothing"
+        retracted = sum(map(int, re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", decode.log())))
+        assert retracted > 0, "no request was retracted: the case proves nothing"
         for ids, (got, _) in zip(prompts, served):
             assert got == target_greedy(model, ids, MAX_NEW), log_tail(decode.log_path)
+        traces = round_traces(decode)
+        paths = {r.arm[0] for rounds in traces.values() for r in rounds}
+        assert paths == {False, True}, f"MFD_D's paths drafted (single_mode): {paths}"
+        assert_served_as_reference_rounds([Served(ids, MAX_NEW, meta) for ids, (_, meta) in zip(prompts, served)],
+                                          traces, reference_target, reference_drafter(tiny_pair / "drafter"),
+                                          ignored_arm=None)
+        accept = 3 * MAX_NEW / sum(meta["spec_verify_ct"] for _, meta in served)
+        print(f"PD decode with {retracted} retraction(s): accept length {accept:.2f}")
         assert_healthy_without_leaks(decode)
     finally:
         decode.stop()

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from references import TOP_K_ALL, assert_follows, reference_sample, sglang_law
+from references import SPREAD_LAW, TOP_K_ALL, assert_follows, reference_sample, request_law, sglang_law
 from servers import generate_ids, served_without_leaks, start_server
 
 PROMPT = "hello , what next ?"
@@ -28,19 +28,12 @@ PROMPT = "hello , what next ?"
 # keep two or three tokens where top-k, renormalise, top-p keeps one; min-p .08 drops some.
 LAW = (2.0, 3, 0.55, 0.08)
 RUNS = 300  # requests per server
-SEED_LAW = (1.5, TOP_K_ALL, 0.95, 0.02)  # a spread-out law for the seed tests
 
 
 @pytest.fixture(scope="module")
 def mfd_server(tiny_pair, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD", 8, max_running=8)
     yield from served_without_leaks(srv)
-
-
-def request_law(settings: tuple) -> dict:
-    temperature, top_k, top_p, min_p = settings
-    return {"temperature": temperature, "top_k": -1 if top_k == TOP_K_ALL else top_k, "top_p": top_p,
-            "min_p": min_p}
 
 
 def exact_joint_law(model, ids: list[int], settings: tuple, length: int) -> dict[tuple, float]:
@@ -102,17 +95,17 @@ def test_a_seed_fixes_the_output_alone_and_in_a_batch(mfd_server, hf_target, tin
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in (PROMPT, tiny_prompts[5])]
     n = 12
     cases = [(i, seed) for i in range(2) for seed in (1, 2)]
-    alone = {case: generate_ids(mfd_server, prompts[case[0]], n, **request_law(SEED_LAW),
+    alone = {case: generate_ids(mfd_server, prompts[case[0]], n, **request_law(SPREAD_LAW),
                                 sampling_seed=case[1])[0] for case in cases}
     for (i, seed), got in alone.items():
-        assert got == reference_sample(model, prompts[i], n, SEED_LAW, seed), (i, seed)
+        assert got == reference_sample(model, prompts[i], n, SPREAD_LAW, seed), (i, seed)
     assert alone[(0, 1)] != alone[(0, 2)] or alone[(1, 1)] != alone[(1, 2)], "two seeds, one output"
 
     # Again, all at once and among unseeded requests: same tokens.
     def run(job):
         i, seed = job
         extra = {} if seed is None else {"sampling_seed": seed}
-        return generate_ids(mfd_server, prompts[i], n, **request_law(SEED_LAW), **extra)[0]
+        return generate_ids(mfd_server, prompts[i], n, **request_law(SPREAD_LAW), **extra)[0]
 
     jobs = cases + [(0, None), (1, None), (0, None)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:

@@ -3,9 +3,11 @@
 - Data-parallel replicas (`--dp-size 2`: SGLang's DataParallelController, one scheduler per replica,
   one core each through `SGLANG_CPU_OMP_THREADS_BIND`, round-robin): every replica starts its own MFD /
   MFD_D worker, and concurrent greedy requests, spread evenly over both replicas, emit the target's
-  greedy tokens while speculating on each; seeded T = 1 requests emit, on either replica, exactly the
-  samples a single MFD server is held to (`reference_sample`: plain sampling of the HF target with the
-  seed's coins); every replica ends idle and leak-free. Nothing in the worker knows about replicas.
+  greedy tokens, each request's rounds the reference engine's for the arms it drafted (the round-trace
+  test plugin) and each replica's accept length stated; seeded requests on a law with spread emit, on
+  either replica, exactly the samples a single MFD server is held to (`reference_sample`: plain sampling
+  of the HF target with the seed's coins), unlike greedy decoding and another seed's; every replica ends
+  idle and leak-free. Nothing in the worker knows about replicas.
 - Attention data parallelism (`--tp-size 2 --attn-dp-size 2 --enable-dp-lm-head`: one TP group whose
   two ranks each attend for their own requests, dispatched round-robin) passes the same checks: every
   rank starts its worker, concurrent and one-at-a-time requests (the other rank then runs idle
@@ -25,12 +27,12 @@ import re
 import pytest
 import requests
 
-from conftest import target_greedy
-from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, resolve, served_without_leaks, start_server
+from conftest import reference_drafter, target_greedy
+from references import SPREAD_LAW, assert_served_as_reference_rounds, request_law, spread_samples
+from servers import (Served, generate_ids, log_tail, plugin_env, resolve, round_traces, served_without_leaks,
+                     start_server)
 
 MAX_NEW = 16
-SAMPLING = (1.0, TOP_K_ALL, 0.9, 0.0)  # temperature, top_k, top_p, min_p
 DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per replica
 
 
@@ -84,7 +86,8 @@ def dp_server(request, tiny_pair, tmp_path_factory):
     rank runs both paths below)."""
     algorithm, layout = request.param
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", algorithm, 8, log_level="info",
-                       threshold=2 if algorithm == "MFD_D" else None, extra_args=LAYOUTS[layout], extra_env=DP_ENV)
+                       threshold=2 if algorithm == "MFD_D" else None, extra_args=LAYOUTS[layout],
+                       extra_env={**DP_ENV, **plugin_env("round_trace")})
     srv.algorithm, srv.layout = algorithm, layout
     yield from served_without_leaks(srv)
 
@@ -101,7 +104,8 @@ def test_each_dp_rank_runs_its_own_worker(dp_server):
         assert re.search(rf"DP{rank}( TP{rank})?\] {dp_server.algorithm} worker: drafter", log), log_tail(dp_server.log_path)
 
 
-def test_concurrent_greedy_requests_are_spread_over_both_replicas_and_exact(dp_server, hf_target, tiny_prompts):
+def test_concurrent_greedy_requests_are_spread_over_both_replicas_and_exact(dp_server, reference_target, tiny_pair,
+                                                                           hf_target, tiny_prompts):
     model, tok = hf_target
     prompts = prompt_ids(tok, tiny_prompts) * 2
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -109,32 +113,37 @@ def test_concurrent_greedy_requests_are_spread_over_both_replicas_and_exact(dp_s
     for ids, (got, _) in zip(prompts, outs):
         assert got == target_greedy(model, ids, MAX_NEW), log_tail(dp_server.log_path)
     by_rank = collections.defaultdict(list)
-    for _, meta in outs:
-        by_rank[meta["dp_rank"]].append(meta)
+    for ids, (_, meta) in zip(prompts, outs):
+        by_rank[meta["dp_rank"]].append(Served(ids, MAX_NEW, meta))
     assert sorted(by_rank) == [0, 1] and len(by_rank[0]) == len(by_rank[1])  # round-robin
-    for metas in by_rank.values():  # each replica speculated
-        assert sum(meta["spec_verify_ct"] for meta in metas) < len(metas) * MAX_NEW
+    traces, drafter = round_traces(dp_server), reference_drafter(tiny_pair / "drafter")
+    for rank, served in sorted(by_rank.items()):  # each replica's rounds are the reference engine's
+        assert_served_as_reference_rounds(served, traces, reference_target, drafter, ignored_arm=None)
+        accept = len(served) * MAX_NEW / sum(request.meta["spec_verify_ct"] for request in served)
+        print(f"{dp_server.algorithm} {dp_server.layout} rank {rank}: accept length {accept:.2f}")
 
 
 def test_seeded_sampling_on_either_replica_equals_the_single_server_law(dp_server, hf_target, tiny_prompts):
-    """T = 1 (top-p 0.9): four requests at once, three seeded and one not (MFD_D: its single-mode path),
-    then one seeded request sent twice in a row, which round-robin gives to each replica once (MFD_D:
-    the K-mode path). Each seeded output is plain sampling of the HF target with its seed's coins, as
-    on a single MFD server; a greedy request after them is still exact."""
+    """A law with spread (`SPREAD_LAW`): four requests at once, three seeded and one not (MFD_D: its
+    single-mode path), then the first prompt with another seed sent twice in a row, which round-robin gives
+    to each replica once (MFD_D: the K-mode path). Each seeded output is plain sampling of the HF target
+    with its seed's coins, as on a single MFD server, unlike greedy decoding and the other seed's; a greedy
+    request after them is still exact."""
     model, tok = hf_target
     prompts = prompt_ids(tok, tiny_prompts)
     seeds = [11, 12, 13, None]
-    sample = dict(temperature=1.0, top_p=0.9)
+    law = request_law(SPREAD_LAW)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        batched = list(pool.map(lambda i: generate_ids(dp_server, prompts[i], MAX_NEW, **sample, **(
+        batched = list(pool.map(lambda i: generate_ids(dp_server, prompts[i], MAX_NEW, **law, **(
             {} if seeds[i] is None else {"sampling_seed": seeds[i]})), range(len(prompts))))
-    for ids, seed, (got, meta) in zip(prompts, seeds, batched):
+    first_prompt = spread_samples(model, prompts[0], MAX_NEW, [11, 14])  # two seeds on one prompt
+    for i, (got, meta) in enumerate(batched):
         assert meta["completion_tokens"] == MAX_NEW
-        if seed is not None:
-            assert got == reference_sample(model, ids, MAX_NEW, SAMPLING, seed), (seed, log_tail(dp_server.log_path))
-    twice = [generate_ids(dp_server, prompts[3], MAX_NEW, **sample, sampling_seed=14) for _ in range(2)]
+        if seeds[i] is not None:
+            expected = first_prompt[0] if i == 0 else spread_samples(model, prompts[i], MAX_NEW, [seeds[i]])[0]
+            assert got == expected, (seeds[i], log_tail(dp_server.log_path))
+    twice = [generate_ids(dp_server, prompts[0], MAX_NEW, **law, sampling_seed=14) for _ in range(2)]
     assert sorted(meta["dp_rank"] for _, meta in twice) == [0, 1]
-    expected = reference_sample(model, prompts[3], MAX_NEW, SAMPLING, 14)
-    assert [got for got, _ in twice] == [expected, expected], log_tail(dp_server.log_path)
+    assert [got for got, _ in twice] == [first_prompt[1]] * 2, log_tail(dp_server.log_path)
     got, _ = generate_ids(dp_server, prompts[0], MAX_NEW)
     assert got == target_greedy(model, prompts[0], MAX_NEW), log_tail(dp_server.log_path)

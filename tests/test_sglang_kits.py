@@ -1,14 +1,17 @@
 """SGLang 0.5.23's own server test kits (`sglang/test/kits/`, shipped in its wheel) against real CPU servers
 on SmolLM2-135M-Instruct (fp32) with the shipped drafter: the plain server, MFD and MFD_D.
 
-In CI: MFD_D runs every kit test below; MFD runs the cheapest test of each kit class (`MFD_CI_TESTS`) on one
-server. MFD_SGLANG_ALL_KITS=1 runs every kit test on MFD and on the plain server too, and the 8k-token
-prompt. A kit test that passes on the plain server must pass on MFD and MFD_D. The few whose check SmolLM2
-fails on the plain server (`PLAIN_FAILS`, each with its reason) fail it on MFD's servers for the same
-reason, their answers being the plain server's: there the kit test's requests are sent to a plain server
-too (`plain_reference`, started on first use) and the answers must be equal, token for token; on the plain
-server itself the kit's check must fail on answers that came back 200. The kit tests of speculation itself
-(`SPECULATIVE_ONLY`) are not run on the plain server.
+In CI, one server each: MFD_D runs every kit test below (its single-mode path from 3 running requests on);
+MFD runs `MFD_CI_TESTS` (the cheapest test of each kit class, and the kits' accept lengths, batch generation,
+logprobs and stops); MFD_D with a switch threshold above the batch (`TestMFDDKModeBatchKits`) runs the batch
+kit tests on its K-mode tree, the round-trace test plugin showing K-mode rounds of 3 or more requests; the
+plain server runs `PLAIN_FAILS`. MFD_SGLANG_ALL_KITS=1 runs every kit test on MFD and on the plain server too,
+and the 8k-token prompt. A kit test that passes on the plain server must pass on MFD and MFD_D. The few whose
+check SmolLM2 fails on the plain server (`PLAIN_FAILS`, each with its reason) fail it on MFD's servers for the
+same reason, their answers being the plain server's: there the kit test's requests are sent to a plain
+server too (`plain_reference`, started on first use, which is also the plain kit class's server) and the
+answers must be equal, token for token; on the plain server itself the kit's check must fail on answers that
+came back 200. The kit tests of speculation itself (`SPECULATIVE_ONLY`) are not run on the plain server.
 
 Scaled for 2 CPU cores, sizes only (every assertion is the kit's own):
 - generated lengths are capped at `MAX_NEW_TOKENS` in the speculative kits (they ask up to 1024) and at
@@ -25,8 +28,8 @@ drafters (3.1, 1.75); here they are set below what the shipped drafter reaches o
 text, while the drafter was trained on chat-templated answers): measured 1.33 (MFD) and 1.31 (MFD_D) for
 one request, 1.78 (MFD) and 1.75 (MFD_D) for the batch of four, with the drafters of 2026-12-02.
 
-On 2 cores: MFD_D's kits about 5 minutes, MFD's CI tests and the plain reference about 3 minutes more;
-MFD_SGLANG_ALL_KITS=1 about 12 minutes more than that.
+On 2 cores: MFD_D's kits about 5 minutes, MFD's CI tests, the K-mode batch class and the plain reference
+about 5 minutes more; MFD_SGLANG_ALL_KITS=1 about 10 minutes more than that.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from unittest import mock
 import requests
 
 from mfd_sglang.lab import smollm2
-from servers import ServerProcess, assert_healthy_without_leaks, free_port, launch_command, start
+from servers import (ServerProcess, assert_healthy_without_leaks, free_port, launch_command, plugin_env,
+                     round_traces, start)
 from sglang.test.kits import radix_cache_server_kit, spec_server_kits
 from sglang.test.kits.abort_timeout_kit import AbortAllMixin
 from sglang.test.kits.basic_api_contract_kit import BasicAPIContractMixin
@@ -97,12 +101,12 @@ def _scaled_logprob_check(check, test, args):
                         return_logprob, top_logprobs_num))
 
 
-def start_kit_server(algorithm: str | None, name: str) -> ServerProcess:
+def start_kit_server(algorithm: str | None, name: str, extra_env: dict | None = None) -> ServerProcess:
     """A CPU server on SmolLM2-135M-Instruct (fp32) for the kits, with `algorithm` (None: no speculation)
     and the shipped drafter at tree budget `BUDGET`, under SGLang's strict idle KV-leak check."""
     model = str(smollm2.prepare_target(progress=False).path)
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
     cmd = launch_command(model, port=port, algorithm=algorithm, drafter=DRAFTER,
                          budget=BUDGET if algorithm else None, dtype="float32", extra_args=[
@@ -131,9 +135,11 @@ def tearDownModule():
 
 
 class KitServer(SpecEagleServerBase):
-    """A kit class's server (`start_kit_server`); `algorithm` None serves without speculation."""
+    """A kit class's server (`start_kit_server`); `algorithm` None serves without speculation, on the module's
+    shared plain server (`plain_reference`)."""
 
     algorithm: str | None = None
+    server_env: dict = {}  # the server's environment beyond start_kit_server's
     max_running_requests = MAX_RUNNING_REQUESTS
     abort_all_max_new_tokens = 4000  # the kit's 16000 is beyond SmolLM2's context (8192)
     # Set below what the shipped drafter reaches on the kit's prompts (see the module docstring); the kit's
@@ -157,7 +163,8 @@ class KitServer(SpecEagleServerBase):
         ]
         for patch in cls._patches:
             patch.start()
-        cls.server = start_kit_server(cls.algorithm, cls.__name__)
+        cls.server = plain_reference() if cls.algorithm is None else start_kit_server(cls.algorithm, cls.__name__,
+                                                                                       cls.server_env)
         cls.base_url = cls.server.base_url
         cls.process = cls.server.proc
 
@@ -166,7 +173,7 @@ class KitServer(SpecEagleServerBase):
         for patch in getattr(cls, "_patches", []):
             patch.stop()
         server = getattr(cls, "server", None)
-        if server is not None:
+        if server is not None and cls.algorithm is not None:  # the shared plain server stops with the module
             try:
                 assert_healthy_without_leaks(server)
             finally:
@@ -187,21 +194,26 @@ SPECULATIVE_ONLY = {"test_acc_length", "test_grammar_logprob_count_matches_compl
                     "test_grammar_structured_output_no_trailing_tokens"}
 # MFD's kit tests in CI: per kit class its cheapest test on MFD_D (2 cores), among those whose check SmolLM2
 # passes (SpecFeatureKit's cheapest, test_constrained_decoding, is in PLAIN_FAILS; MFD_D covers it), and for
-# the API contract the cheapest that generates (/health_generate) rather than /get_server_info.
+# the API contract the cheapest that generates (/health_generate) rather than /get_server_info; and the kits'
+# accept lengths, batch generation, logprobs and stops.
 MFD_CI_TESTS = {
-    SpecCorrectnessKit: "test_first_token_finish",  # 0.7 s
-    SpecLogprobKit: "test_logprob_start_len",  # 0.7 s
-    SpecPenaltyKit: "test_penalty_mixed",  # 36 s, its only test
-    SpecFeatureKit: "test_radix_attention",  # 14 s
-    SpecGrammarKit: "test_grammar_logprob_count_matches_completion_tokens",  # 2.6 s
-    SpecSamplingMaskKit: "test_sampling_mask",  # 1.9 s
-    MatchedStopMixin: "test_finish_length",  # 1.7 s
-    BasicAPIContractMixin: "test_health_generate",  # 1.0 s
-    BasicDecodeCorrectnessMixin: "test_max_token_one",  # 0.1 s
-    BasicSchedulerStressMixin: "test_streaming_response",  # 1.8 s
-    AbortAllMixin: "test_abort_all",  # 2.6 s
+    SpecCorrectnessKit: ("test_first_token_finish", "test_acc_length", "test_batch_generation"),
+    SpecLogprobKit: ("test_logprob_start_len", "test_logprob_match", "test_logprob_decode_match_prefill",
+                     "test_token_ids_logprob_ragged"),  # test_logprob_mixed (45 s here): MFD_D runs it
+    SpecPenaltyKit: ("test_penalty_mixed",),  # its only test
+    SpecFeatureKit: ("test_radix_attention",),
+    SpecGrammarKit: ("test_grammar_logprob_count_matches_completion_tokens",),
+    SpecSamplingMaskKit: ("test_sampling_mask",),
+    MatchedStopMixin: ("test_finish_length", "test_finish_stop_str", "test_finish_stop_regex_str",
+                       "test_finish_stop_eos"),
+    BasicAPIContractMixin: ("test_health_generate",),
+    BasicDecodeCorrectnessMixin: ("test_max_token_one",),
+    BasicSchedulerStressMixin: ("test_streaming_response",),
+    AbortAllMixin: ("test_abort_all",),
 }
-assert set(MFD_CI_TESTS) == set(KITS) and all(name in vars(kit) for kit, name in MFD_CI_TESTS.items())
+assert set(MFD_CI_TESTS) == set(KITS) and all(name in vars(kit) for kit, names in MFD_CI_TESTS.items() for name in names)
+# The kit tests that batch requests (4 and 8 at once), on MFD_D's K-mode tree (`TestMFDDKModeBatchKits`).
+K_MODE_BATCH_TESTS = {SpecCorrectnessKit: "test_batch_generation", BasicSchedulerStressMixin: "test_concurrent_requests"}
 
 
 class _Recording:
@@ -283,13 +295,32 @@ def replace_tests(cls, names, make) -> None:
         setattr(cls, name, make(getattr(cls, name), name))
 
 
-@unittest.skipUnless(ALL_KITS, "the plain server's kits run with MFD_SGLANG_ALL_KITS=1")
+def with_k_mode_batches(kit_test):
+    """A kit test that must have run MFD_D's K-mode tree on 3 or more requests at once: what the round-trace
+    test plugin logged while it ran shows such rounds."""
+    @functools.wraps(kit_test)
+    def test(self):
+        since = len(self.server.log())
+        kit_test(self)
+        rounds = [r for traced in round_traces(self.server, since=since).values() for r in traced]
+        k_mode = max((r.batch_size for r in rounds if not r.arm[0] and r.arm[1] > 0), default=0)
+        self.assertGreaterEqual(k_mode, 3, f"K-mode rounds of at most {k_mode} requests in {len(rounds)} traced")
+    return test
+
+
 class TestPlainServerKits(KitServer, *KITS):
     algorithm = None
 
 
 class TestMFDServerKits(KitServer, *KITS):
     algorithm = "MFD"
+
+
+class TestMFDDKModeBatchKits(KitServer, *K_MODE_BATCH_TESTS):
+    """MFD_D whose switch to the single-mode path lies beyond its running requests: its K-mode tree on batches."""
+
+    algorithm = "MFD_D"
+    server_env = {"MFD_SGLANG_SWITCH_THRESHOLD": str(MAX_RUNNING_REQUESTS + 1), **plugin_env("round_trace")}
 
 
 class TestMFDDServerKits(KitServer, *KITS):
@@ -300,6 +331,12 @@ class TestMFDDServerKits(KitServer, *KITS):
         BasicSchedulerStressMixin.test_long_prompt(self)
 
 
+replace_tests(TestMFDDKModeBatchKits, {name for name in dir(TestMFDDKModeBatchKits) if name.startswith("test")}
+              - set(K_MODE_BATCH_TESTS.values()), lambda test, name: unittest.skip(
+                  "the K-mode batch class runs K_MODE_BATCH_TESTS")(test))
+replace_tests(TestMFDDKModeBatchKits, set(K_MODE_BATCH_TESTS.values()) & set(PLAIN_FAILS), lambda test, name:
+              answers_as_the_plain_server(test, PLAIN_FAILS[name]))
+replace_tests(TestMFDDKModeBatchKits, K_MODE_BATCH_TESTS.values(), lambda test, name: with_k_mode_batches(test))
 replace_tests(TestPlainServerKits, PLAIN_FAILS, lambda test, name: fails_the_kits_check(test, PLAIN_FAILS[name]))
 replace_tests(TestPlainServerKits, SPECULATIVE_ONLY, lambda test, name: unittest.skip(
     "a kit test of speculation: the plain server has no verify rounds")(test))
@@ -307,8 +344,11 @@ replace_tests(TestMFDServerKits, PLAIN_FAILS, lambda test, name: answers_as_the_
 replace_tests(TestMFDDServerKits, PLAIN_FAILS, lambda test, name: answers_as_the_plain_server(test, PLAIN_FAILS[name]))
 if not ALL_KITS:
     replace_tests(TestMFDServerKits, {name for name in dir(TestMFDServerKits) if name.startswith("test")}
-                  - set(MFD_CI_TESTS.values()), lambda test, name: unittest.skip(
+                  - {name for names in MFD_CI_TESTS.values() for name in names}, lambda test, name: unittest.skip(
                       "CI runs MFD_CI_TESTS on MFD; MFD_SGLANG_ALL_KITS=1 runs every kit test")(test))
+    replace_tests(TestPlainServerKits, {name for name in dir(TestPlainServerKits) if name.startswith("test")}
+                  - set(PLAIN_FAILS), lambda test, name: unittest.skip(
+                      "CI runs PLAIN_FAILS on the plain server; MFD_SGLANG_ALL_KITS=1 runs every kit test")(test))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,19 @@ class DraftContextPool:
         if self.deferred is not None:
             self.deferred.flush()
 
+    def cpu_copy(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """The rows at slots [T] (every layer's keys, then its values) on the host: a retracted request's
+        backup (`mfd_sglang/patches/retraction_backup.py`)."""
+        self.flush()
+        return [buffer[slots].cpu() for buffer in (*self.keys, *self.values)]
+
+    def load_cpu_copy(self, rows: list[torch.Tensor], slots: torch.Tensor) -> None:
+        """`cpu_copy`'s rows into slots [T] (a resumed request's; held rows first: they may target the same
+        slots, handed out again)."""
+        self.flush()
+        for buffer, row in zip((*self.keys, *self.values), rows):
+            buffer[slots] = row.to(buffer.device)
+
     def gather(self, slots: torch.Tensor, lengths: torch.Tensor) -> DraftContext:
         """The padded DraftContext of bs requests: slots [bs, L] of positions 0..L-1, the first
         lengths [bs] of them committed (the rest are masked out)."""

@@ -81,10 +81,13 @@ class DraftStage:
     def init_context_pool(self, num_slots: int, req_to_token_pool, *, device, dtype: torch.dtype,
                           deferred_rows: int = 0, page_size: int = 0) -> None:
         """The drafter's context K/V at every one of the target's `num_slots` KV slots, which
-        req_to_token_pool maps requests' positions to (deferred_rows, page_size: see `DraftContextPool`)."""
+        req_to_token_pool maps requests' positions to (deferred_rows, page_size: see `DraftContextPool`). The
+        pool is also registered on req_to_token_pool, where the retraction-backup hooks find it
+        (`mfd_sglang/patches/retraction_backup.py`)."""
         self.req_to_token_pool = req_to_token_pool
         self.context_pool = DraftContextPool(self.drafter, num_slots, device=device, dtype=dtype,
                                              deferred_rows=deferred_rows, page_size=page_size)
+        req_to_token_pool.mfd_context_pool = self.context_pool
 
     def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of tokens with target hidden states [T, F] at positions [T] into slots [T]."""

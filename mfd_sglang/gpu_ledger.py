@@ -1,0 +1,409 @@
+"""GPU cost ledger: the CUDA kernels of MFD's own round stages (draft, tree, verify layout, verify input,
+accept, commit) as the serving worker runs them, at Qwen3-4B / Qwen3-8B drafter shapes, bs 1 / 8 / 32, MFD
+(K = 8) and MFD_D's single-mode path, B = 16 / 64; their predicted H200 time from `gpu_cost`'s model, its
+launch floor fitted to the committed H200 log (round_cost.py's measured round, traced the same way); and the
+sm_90a / sm_80 compiles of every Triton kernel at its serving launch. What is counted and how: `gpu_cost`.
+Runs from a checkout (it reads benchmarks/round_cost.py's shapes and builders):
+
+    python -m mfd_sglang gpu-ledger --out benchmarks/results/gpu-ledger-DATE
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .gpu_cost import (FREE_OPS, H200, SERIAL_LOOPS, DeviceModel, Kernel, KernelTrace, TritonLaunch, attach_issue_times,
+                       by_stage, compile_kernel, fit_launch_floor, issue_seconds, log_rows, patched, predicted_seconds,
+                       roofline_seconds, summarize, triton_launches)
+
+# --- scenarios: the serving worker's stages and round_cost.py's round, on fake CUDA ----------------------
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("draft", "tree", "layout", "verify_input", "accept", "commit")
+SHAPES = {"qwen3-4b": "qwen3_4b", "qwen3-8b": "qwen3_8b"}  # name -> round_cost.TargetConfig constructor
+CONFIGS = {"mfd": False, "mfd_d": True}  # name -> single_mode (MFD_D's single-mode path of the same drafter)
+NUM_MODES = 8
+CONTEXT_LEN = 512  # committed tokens per request: round_cost's prompt length on a GPU
+DTYPE = torch.bfloat16
+
+
+def round_cost_module():
+    """benchmarks/round_cost.py of this checkout: the shapes and builders of the measured round (the ledger
+    runs from a checkout, as the benchmarks do)."""
+    import importlib.util
+    import sys
+
+    if "round_cost" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("round_cost", REPO / "benchmarks" / "round_cost.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["round_cost"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["round_cost"]
+
+
+def target_config(shape: str):
+    return getattr(round_cost_module().TargetConfig, SHAPES[shape])()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    shape: str  # a key of SHAPES
+    config: str  # a key of CONFIGS
+    bs: int
+    budget: int
+    context_len: int = CONTEXT_LEN
+
+    @property
+    def modes(self) -> int:
+        return 1 if CONFIGS[self.config] else NUM_MODES
+
+
+def meta_drafter(cfg, num_modes: int):
+    """round_cost's random drafter for target config cfg, built on the meta device (no storage); the fake
+    mode cannot convert a module's dtype itself (`fake_cuda` moves it in)."""
+    rc = round_cost_module()
+    return rc.random_drafter(cfg, rc.spread_layer_ids(cfg.layers, cfg.draft_layers), num_modes, seed=num_modes,
+                             device="meta", dtype=DTYPE)
+
+
+def fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
+    """module with every parameter and buffer replaced by a fake CUDA tensor of its shape and dtype (in
+    place; call inside a `KernelTrace`)."""
+    for m in module.modules():
+        for tensors in (m._parameters, m._buffers):
+            for name, t in tensors.items():
+                if t is not None:
+                    fake = torch.empty(t.shape, dtype=t.dtype, device="cuda")
+                    tensors[name] = torch.nn.Parameter(fake, requires_grad=False) if tensors is m._parameters else fake
+    return module
+
+
+def trace_worker_round(s: Scenario) -> list[Kernel]:
+    """The kernels of one decode round's own stages (`STAGES`) as `MFDWorkerV2.forward_decode` runs them on
+    CUDA at batch size bs, every request `context_len` tokens in (greedy, no penalties, TP 1):
+      draft         `DraftStage.candidates` over the context pool read in place (Triton mode attention);
+      tree          `DraftStage.tree_of` up to its layout: the Triton mixture tree, draft -> target ids;
+      layout        `tree_to_verify_layout` (SGLang's traversal + the ancestor mask);
+      verify_input  `layout_verify_input`: SGLang's flat custom mask of the windows;
+      accept        `accept_tree` over the target's bf16 logits [bs * (B + 1), V], `pad_result`;
+      commit        `commit_round`: the drafter context K/V of root + path into the pool.
+    Not counted: SGLang's own work around them (`eagle_prepare_for_verify`, the target forward,
+    `move_accept_tokens_to_target_kvcache`)."""
+    from types import SimpleNamespace
+
+    from mfd_sglang.serving import draft_stage
+    from mfd_sglang.serving.accept import accept_tree, pad_result
+    from mfd_sglang.serving.budget import Arm
+    from mfd_sglang.serving.commit import commit_round
+    from mfd_sglang.serving.tree_verify import layout_verify_input
+
+    cfg = target_config(s.shape)
+    nodes = s.budget + 1
+    drafter = meta_drafter(cfg, NUM_MODES)
+    with KernelTrace(s.context_len) as trace:
+        fake_cuda(drafter)
+        embed = torch.empty(cfg.vocab, cfg.hidden, device="cuda", dtype=DTYPE)
+        stage = draft_stage.DraftStage(drafter, embed, drafter.head_weight(embed), device="cuda")
+        max_len = s.context_len + nodes
+        req_to_token = torch.arange(s.bs * max_len, device="cuda", dtype=torch.int32).view(s.bs, max_len)
+        stage.init_context_pool(s.bs * max_len, SimpleNamespace(req_to_token=req_to_token), device="cuda", dtype=DTYPE)
+        roots = torch.zeros(s.bs, dtype=torch.int64, device="cuda")
+        seq_lens = torch.full((s.bs,), s.context_len, dtype=torch.int64, device="cuda")
+        requests = torch.arange(s.bs, device="cuda")
+        logits = torch.empty(s.bs * nodes, cfg.vocab, device="cuda", dtype=DTYPE)
+        hidden = torch.empty(s.bs, nodes, drafter.fc.in_features, device="cuda", dtype=DTYPE)
+        window_slots = torch.empty(s.bs, nodes, device="cuda", dtype=torch.int64)
+        batch = SimpleNamespace(sampling_info=SimpleNamespace(is_all_greedy=True, logit_bias=None,
+                                                              penalizer_orchestrator=None))
+        with trace.stage("draft"):
+            context = stage.context_pool.paged(req_to_token, requests, seq_lens, stage.mode_attention_backend)
+            candidates = stage.candidates(roots, seq_lens, context, Arm(CONFIGS[s.config], s.budget))
+        layout_step = trace.labelled("layout", draft_stage.tree_to_verify_layout)
+        with trace.stage("tree"), patched(draft_stage, "tree_to_verify_layout", layout_step):
+            tree, layout = stage.tree_of(candidates, roots, seq_lens, s.budget)
+        with trace.stage("verify_input"):
+            layout_verify_input(layout, seq_lens, s.bs * s.context_len, drafter.num_draft_positions)
+        with trace.stage("accept"):
+            result = pad_result(accept_tree(tree, layout, logits, batch, seq_lens)[0], nodes)
+        with trace.stage("commit"):
+            commit_round(result, hidden, seq_lens, window_slots, stage.context_pool, drafter, lambda path: None)
+    return trace.kernels
+
+
+def _cpu_generator(device=None):
+    """A CUDA generator cannot exist without a GPU; fake tensors' values are never drawn, so round_cost's
+    StaticTarget gets a CPU one while it is built."""
+    return _TORCH_GENERATOR("cpu")
+
+
+_TORCH_GENERATOR = torch.Generator
+
+
+def trace_round_cost(config: str, bs: int, shape: str = "qwen3-4b") -> list[Kernel]:
+    """The kernels of round_cost.py's measured round (`SpecRound`: stages draft, tree, verify (the target's
+    forward included), commit, as captured on a GPU, B = round_cost.BUDGET) and of its plain decode step
+    (stage "ar_step"), at the GPU check's prompt length."""
+    rc = round_cost_module()
+    cfg = target_config(shape)
+    modes, single_mode = rc.CONFIGS[config]
+    drafter = meta_drafter(cfg, modes)
+    with KernelTrace(CONTEXT_LEN) as trace:
+        with patched(torch, "Generator", _cpu_generator):
+            target = rc.StaticTarget(cfg, "cuda", DTYPE, seed=0)
+        target.allocate(bs, CONTEXT_LEN + rc.BUDGET + 1)
+        spec = rc.SpecRound(target, fake_cuda(drafter), budget=rc.BUDGET, single_mode=single_mode,
+                            tree_backend="triton")
+        roots = torch.zeros(bs, dtype=torch.int64, device="cuda")
+        cache_lens = torch.full((bs,), CONTEXT_LEN, dtype=torch.int64, device="cuda")
+        with trace.stage("ar_step"):
+            target.decode(roots, cache_lens).argmax(-1)  # capture_decode_step's step
+        with trace.stage("draft"):
+            candidates = spec.draft(roots, cache_lens)
+        with trace.stage("tree"):
+            tree = spec.tree(candidates)
+        with trace.stage("verify"):
+            result, features = spec.verify(tree, roots, cache_lens)
+        with trace.stage("commit"):
+            spec.commit(result, features, cache_lens)
+    return trace.kernels
+
+
+def serving_launches(shape: str = "qwen3-4b", bs: int = 1, budget: int = 64) -> dict[str, TritonLaunch]:
+    """One launch of every Triton kernel at the serving shapes (kernel name -> launch): those of the worker's
+    MFD round (mode attention, beam, merge-select) and, at the same shapes, those of the wrappers off the
+    default path: the fused lm_head + top-B (`vocab_candidates_triton` over the draft's hidden states
+    [bs, K, D, H]), the tree from full log-probabilities [bs, K, D, V] (`_vocab_topk_kernel`) and FP8
+    drafting's activation quantization (the down_proj input [bs * K * block, intermediate])."""
+    from mfd_sglang.kernels.fp8_quant import quantize_rows_triton
+    from mfd_sglang.kernels.mixture_tree import build_mixture_tree_triton
+    from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
+
+    launches = {l.name: l for l in triton_launches(trace_worker_round(Scenario(shape, "mfd", bs, budget)))}
+    cfg = target_config(shape)
+    depth = cfg.block_size - 1
+    with KernelTrace(CONTEXT_LEN) as trace, trace.stage("wrappers"):
+        vocab_candidates_triton(torch.empty(bs, NUM_MODES, depth, cfg.hidden, device="cuda", dtype=DTYPE),
+                                torch.empty(cfg.vocab, cfg.hidden, device="cuda", dtype=DTYPE), budget)
+        build_mixture_tree_triton(torch.empty(bs, NUM_MODES, depth, cfg.vocab, device="cuda"), budget)
+        quantize_rows_triton(torch.empty(bs * NUM_MODES * cfg.block_size, cfg.intermediate, device="cuda",
+                                         dtype=DTYPE))
+    for launch in triton_launches(trace.kernels):
+        launches.setdefault(launch.name, launch)
+    return launches
+
+
+def project_kernels() -> set[str]:
+    """Names of the Triton kernels defined in mfd_sglang.kernels (JIT functions named *_kernel)."""
+    import importlib
+    import pkgutil
+
+    import mfd_sglang.kernels as package
+    from triton.runtime.jit import JITFunction
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {name for name, value in vars(module).items()
+                  if isinstance(value, JITFunction) and name.endswith("_kernel") and value.module == module.__name__}
+    return names
+
+
+# --- the report: fit, ledger, compiles; JSON, Markdown, plot --------------------------------------------
+
+DEFAULT_LOG = REPO / "benchmarks" / "results" / "fp8-draft-h200-2026-12-04.log"
+FIT_QUANTITIES = ("ar_step_ms", "draft_ms", "round_ms")  # the log's measured columns
+
+
+def fit_rows(log: Path, compiles: dict, device: DeviceModel = H200) -> list[dict]:
+    """Per measured quantity of the log's round rows (one ar_step row per batch size): the traced kernels'
+    roofline times (`trace_round_cost`) and the measurement."""
+    rows, seen = [], set()
+    for measured in log_rows(log):
+        kernels = trace_round_cost(measured["config"], measured["bs"])
+        attach_issue_times(kernels, compiles, device)
+        stages = by_stage(kernels)
+        parts = {"ar_step_ms": stages["ar_step"], "draft_ms": stages["draft"],
+                 "round_ms": [k for name in round_cost_module().STAGES for k in stages[name]]}
+        for quantity, part in parts.items():
+            label = f"bs {measured['bs']} plain decode step" if quantity == "ar_step_ms" else (
+                f"{measured['config']} bs {measured['bs']} {quantity.removesuffix('_ms')}")
+            if label not in seen:
+                seen.add(label)
+                rows.append({"row": label, "quantity": quantity, "launches": len(part),
+                             "roofline_s": roofline_seconds(part, device), "measured_ms": measured[quantity]})
+    return rows
+
+
+def build_report(shapes=tuple(SHAPES), batch_sizes=(1, 8, 32), configs=tuple(CONFIGS), budgets=(16, 64),
+                 log: Path = DEFAULT_LOG, fit_on=("ar_step_ms",), device: DeviceModel = H200,
+                 progress: Callable[[str], None] = lambda line: None) -> dict:
+    """The ledger (module docstring): the launch floor fitted on the log's `fit_on` quantities, each row's
+    residual; per scenario and stage launches, bytes, FLOPs and predicted ms; the compiles of every Triton
+    kernel at the serving shapes (Qwen3-4B, bs 1, K = 8, B = 64) for sm_90a and sm_80."""
+    compiles: dict = {}
+    progress("tracing round_cost.py's measured round")
+    rows = fit_rows(log, compiles, device)
+    floor = fit_launch_floor([(r["roofline_s"], r["measured_ms"] / 1e3) for r in rows if r["quantity"] in fit_on])
+    fit = {"constant": "launch_floor_us", "launch_floor_us": round(floor * 1e6, 4), "fit_on": list(fit_on),
+           "log": str(log.relative_to(REPO) if log.is_relative_to(REPO) else log), "rows": []}
+    for r in rows:
+        predicted = 1e3 * predicted_seconds(r["roofline_s"], floor)
+        fit["rows"].append({"row": r["row"], "fitted": r["quantity"] in fit_on, "launches": r["launches"],
+                            "measured_ms": r["measured_ms"], "predicted_ms": round(predicted, 4),
+                            "residual": round(predicted / r["measured_ms"] - 1, 4)})
+    ledger = []
+    for shape in shapes:
+        for config in configs:
+            for budget in budgets:
+                for bs in batch_sizes:
+                    scenario = Scenario(shape, config, bs, budget)
+                    progress(f"tracing {shape} {config} bs {bs} B {budget}")
+                    kernels = trace_worker_round(scenario)
+                    attach_issue_times(kernels, compiles, device)
+                    stages = by_stage(kernels)
+                    ledger.append({"shape": shape, "config": config, "K": scenario.modes, "bs": bs, "B": budget,
+                                   "context_len": scenario.context_len,
+                                   "stages": {name: summarize(stages.get(name, []), floor, device) for name in STAGES},
+                                   "total": summarize(kernels, floor, device),
+                                   "kernels": [{"name": k.name, "stage": k.stage, "source": k.source,
+                                                "counted": k.counted, "bytes": k.bytes, "flops": k.flops,
+                                                "issue_us": round(k.issue_s * 1e6, 3)} for k in kernels
+                                               if k.source != "aten"]})
+    progress("compiling the Triton kernels for sm_90a and sm_80")
+    triton_rows = []
+    for name, launch in sorted(serving_launches().items()):
+        for arch in (90, 80):
+            compiled = compile_kernel(launch, arch)
+            issue = issue_seconds(launch, compiled, device) if arch == 90 else None
+            triton_rows.append({
+                "kernel": name, "arch": "sm_90a" if arch == 90 else "sm_80", "grid": list(launch.grid),
+                "num_warps": launch.num_warps, "constexprs": {k: v for k, v in launch.constexprs().items()},
+                "registers": compiled.registers, "spill_bytes": compiled.local_bytes,
+                "shared_bytes": compiled.shared_bytes, "shared_limit": compiled.shared_limit,
+                "sass_instructions": compiled.sass_instructions,
+                "loop_instructions": [last - first + 1 for first, last in compiled.loops],
+                "loop_model": SERIAL_LOOPS.get(name, ("", None))[0],
+                "loop_trips": SERIAL_LOOPS[name][1](launch) if name in SERIAL_LOOPS else None,
+                "issue_bound_ms": None if issue is None else round(issue * 1e3, 4)})
+    return {"device": vars(device), "model": MODEL_NOTE,
+            "free_ops": sorted(FREE_OPS), "counting": COUNTING_NOTE, "fit": fit, "ledger": ledger,
+            "triton": triton_rows}
+
+
+MODEL_NOTE = ("per kernel max(bytes / HBM bandwidth, FLOPs / peak, issue-bound time (Triton), launch floor); a "
+              "stage is the sum of its kernels; one constant, the launch floor, fitted to the H200 log")
+COUNTING_NOTE = {
+    "aten": "traced: every non-free aten op on fake CUDA tensors is one kernel (a lower bound for sort / topk / "
+            "cumsum, which launch several)",
+    "triton": "traced: every kernel[grid](...) of the CUDA path recorded with its grid and constexprs; bytes and "
+              "FLOPs modelled per kernel (gpu_cost.triton_bytes / triton_flops), issue-bound time from its sm_90a "
+              "SASS (gpu_cost.SERIAL_LOOPS)",
+    "sdpa": "modelled: F.scaled_dot_product_attention as one fused attention kernel",
+}
+
+
+def markdown(report: dict, command: str) -> str:
+    """The report as Markdown: the command, the model and its fit, per shape the stage table (launches / ms),
+    the Triton compile table."""
+    fit = report["fit"]
+    lines = [f"# GPU cost ledger ({report['device']['name']} model)", "", f"Command: `{command}`", "",
+             f"Model: {report['model']}. Counting: " + "; ".join(f"{k}: {v}" for k, v in report["counting"].items())
+             + ".", "",
+             f"## Fit: launch floor {fit['launch_floor_us']} us (least squares of the relative error over the "
+             f"{', '.join(fit['fit_on'])} rows of `{fit['log']}`)", "",
+             "| row | fitted | launches | measured ms | predicted ms | residual |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['row']} | {'yes' if r['fitted'] else ''} | {r['launches']} | {r['measured_ms']:.3f} | "
+              f"{r['predicted_ms']:.3f} | {100 * r['residual']:+.1f}% |" for r in fit["rows"]]
+    for shape in dict.fromkeys(row["shape"] for row in report["ledger"]):
+        lines += ["", f"## {shape}: launches / predicted ms per stage (context {CONTEXT_LEN} tokens per request)", "",
+                  "| config | K | bs | B | " + " | ".join(STAGES) + " | total |", "|---" * (5 + len(STAGES)) + "|"]
+        for row in (r for r in report["ledger"] if r["shape"] == shape):
+            cells = [f"{row['stages'][name]['launches']} / {row['stages'][name]['ms']:.3f}" for name in STAGES]
+            lines.append(f"| {row['config']} | {row['K']} | {row['bs']} | {row['B']} | " + " | ".join(cells)
+                         + f" | {row['total']['launches']} / {row['total']['ms']:.3f} |")
+    lines += ["", "## Triton kernels at the serving shapes (Qwen3-4B, bs 1, K = 8, B = 64)", "",
+              "| kernel | arch | grid | warps | registers | spill bytes | shared bytes (limit) | SASS instructions | "
+              "loops (instructions) | loop trips | issue-bound ms |", "|---" * 11 + "|"]
+    for r in report["triton"]:
+        issue = "" if r["issue_bound_ms"] is None else f"{r['issue_bound_ms']:.4f}"
+        lines.append(f"| {r['kernel']} | {r['arch']} | {r['grid']} | {r['num_warps']} | {r['registers']} | "
+                     f"{r['spill_bytes']} | {r['shared_bytes']} ({r['shared_limit']}) | {r['sass_instructions']} | "
+                     f"{r['loop_instructions']} | {r['loop_trips']} | {issue} |")
+    lines += ["", "Issue-bound model: " + issue_seconds.__doc__.split("(")[0].strip() + " = max(per program: warp "
+              "instructions x ceil(warps / 4) / clock, grid: warp instructions x warps x programs / (SMs x 4 x "
+              "clock)), warp instructions = sum over SASS instructions of the trips of the innermost loop holding "
+              "them; loops: " + "; ".join(f"{k}: {v[0]}" for k, v in SERIAL_LOOPS.items()) + ". A lower bound.",
+              "", "Constexprs: " + "; ".join(f"{r['kernel']} {r['constexprs']}" for r in report["triton"]
+                                               if r["arch"] == "sm_90a")]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Predicted ms and launches per stage, stacked, per scenario and shape; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = list(dict.fromkeys(row["shape"] for row in report["ledger"]))
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(16, 5 * len(shapes)), squeeze=False)
+    for axis_row, shape in zip(axes, shapes):
+        rows = [r for r in report["ledger"] if r["shape"] == shape]
+        labels = [f"{r['config']}\nbs{r['bs']} B{r['B']}" for r in rows]
+        for ax, metric, title in ((axis_row[0], "ms", "predicted ms"), (axis_row[1], "launches", "kernel launches")):
+            bottom = np.zeros(len(rows))
+            for name in STAGES:
+                values = np.array([r["stages"][name][metric] for r in rows], dtype=float)
+                ax.bar(labels, values, bottom=bottom, label=name)
+                bottom += values
+            ax.set_title(f"{shape}: {title} per round (plugin stages)")
+            ax.tick_params(axis="x", labelsize=7)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"GPU cost ledger, {report['device']['name']} model, launch floor "
+                 f"{report['fit']['launch_floor_us']} us")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def json_ready(report: dict) -> dict:
+    """The report without numpy arrays (the fit rows' per-kernel times stay in memory only)."""
+    import json
+
+    return json.loads(json.dumps(report, default=lambda value: value.tolist() if isinstance(value, np.ndarray)
+                                 else str(value)))
+
+
+def write_outputs(report: dict, prefix: Path, command: str) -> list[Path]:
+    """PREFIX.json, PREFIX.md and (with matplotlib) PREFIX.png; returns the paths written."""
+    import json
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = [prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".md")]
+    paths[0].write_text(json.dumps({"command": command, **json_ready(report)}, indent=1) + "\n")
+    paths[1].write_text(markdown(report, command))
+    if plot(report, prefix.with_name(prefix.name + ".png")):
+        paths.append(prefix.with_name(prefix.name + ".png"))
+    return paths
+
+
+def run(args, command: str) -> int:
+    """Build the report from the parsed options of `python -m mfd_sglang gpu-ledger`, print its Markdown,
+    write it with --out."""
+    import sys
+
+    report = build_report(tuple(args.shapes), tuple(args.batch_sizes), tuple(args.configs), tuple(args.budgets),
+                          (args.log or DEFAULT_LOG).resolve(), tuple(args.fit_on), progress=lambda line: print(line, file=sys.stderr))
+    print(markdown(report, command))
+    if args.out:
+        for path in write_outputs(report, Path(args.out), command):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

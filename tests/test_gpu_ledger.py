@@ -1,0 +1,83 @@
+"""The GPU cost ledger's deterministic checks (`mfd_sglang.gpu_ledger`; no GPU, no timing):
+
+- every Triton kernel of the project compiles for sm_90a and sm_80 at its serving shapes (Qwen3-4B, bs 1,
+  K = 8, B = 64) with no register spills (beyond today's recorded ones, `SPILL_BARS`) and its shared memory
+  within the device's per-block limit;
+- each stage of a round at the Qwen3-4B shapes launches at most its bar (`LAUNCH_BARS`): a regression bar
+  that fails when, e.g., a per-chunk loop comes back;
+- the tracer counts a toy function's kernels exactly (views launch nothing; a matmul is one kernel with its
+  FLOPs and bytes), and the fit recovers a known launch floor from synthetic rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mfd_sglang.gpu_cost import (SHARED_LIMIT, KernelTrace, by_stage, compile_kernel, fit_launch_floor,
+                                 predicted_seconds)
+from mfd_sglang.gpu_ledger import STAGES, Scenario, project_kernels, serving_launches, trace_worker_round
+
+# Kernel launches per stage of one round at the Qwen3-4B shapes (bs 8, B = 64), at most: today's counts
+# (benchmarks/results/gpu-ledger-baseline-2026-12-06.md). Lower them as the stages are fused.
+LAUNCH_BARS = {
+    "mfd": {"draft": 1350, "tree": 2, "layout": 61, "verify_input": 14, "accept": 68, "commit": 162},
+    "mfd_d": {"draft": 1350, "tree": 2, "layout": 61, "verify_input": 14, "accept": 68, "commit": 162},
+}
+# Bytes of local memory (register spills) that compiles have today, at most; every other compile has none.
+SPILL_BARS = {("_mode_attention_kernel", 80): 568, ("_beam_kernel", 80): 8}
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return serving_launches()
+
+
+def test_every_kernel_has_a_serving_launch(launches):
+    assert set(launches) == project_kernels()
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_kernels_compile_without_spills_within_shared_memory(launches, arch):
+    failures = []
+    for name, launch in sorted(launches.items()):
+        compiled = compile_kernel(launch, arch)
+        if compiled.local_bytes > SPILL_BARS.get((name, arch), 0):
+            failures.append(f"{name}: {compiled.local_bytes} bytes of spills ({compiled.registers} registers)")
+        if compiled.shared_bytes > SHARED_LIMIT[arch]:
+            failures.append(f"{name}: {compiled.shared_bytes} bytes of shared memory > {SHARED_LIMIT[arch]}")
+    assert not failures, f"sm_{arch}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("config", ["mfd", "mfd_d"])
+def test_stage_launches_at_most_the_bars(config):
+    stages = by_stage(trace_worker_round(Scenario("qwen3-4b", config, bs=8, budget=64)))
+    counts = {name: len(stages.get(name, [])) for name in STAGES}
+    over = {name: f"{counts[name]} > {bar}" for name, bar in LAUNCH_BARS[config].items() if counts[name] > bar}
+    assert not over, f"{config}: launches over the bar: {over}"
+    # The Triton kernels are recorded as one launch each: the mode attention per drafter layer, the tree's two.
+    assert [k.name for k in stages["draft"]].count("_mode_attention_kernel") == 5
+    assert [k.name for k in stages["tree"]] == ["_beam_kernel", "_merge_select_kernel"]
+
+
+def test_tracer_counts_a_toy_function():
+    with KernelTrace() as trace, trace.stage("toy"):
+        a = torch.empty(4, 8, device="cuda")
+        b = torch.empty(8, 16, device="cuda")
+        a.view(8, 4).t().unsqueeze(0).expand(3, 4, 8).transpose(1, 2)[0].reshape(8, 4).squeeze(0)  # views only
+        product = a @ b
+        product + 1.0
+    assert [(k.name, k.stage) for k in trace.kernels] == [("mm", "toy"), ("add", "toy")]
+    matmul, add = trace.kernels
+    assert matmul.flops == 2 * 4 * 8 * 16
+    assert matmul.bytes == 4 * (4 * 8 + 8 * 16 + 4 * 16)
+    assert add.flops == 4 * 16 and add.bytes == 4 * (2 * 4 * 16)
+
+
+def test_fit_reproduces_a_known_floor():
+    rng = np.random.default_rng(0)
+    floor = 2.7e-6
+    rows = [(roofline, predicted_seconds(roofline, floor))
+            for roofline in (rng.uniform(0, 6e-6, n) for n in (50, 400, 2000))]
+    assert fit_launch_floor(rows) == pytest.approx(floor, abs=1e-10)
