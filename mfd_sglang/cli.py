@@ -380,17 +380,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Traces the serving worker's stages on fake CUDA tensors (every kernel they would "
                                    "launch), fits the cost model's launch floor to the committed H200 log and compiles "
                                    "every Triton kernel with Triton's ptxas: see mfd_sglang/gpu_ledger.py.")
+    from . import gpu_ledger  # its shapes, configs and fit columns (torch is loaded here already)
+
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json, PREFIX.md and PREFIX.png "
                    "(e.g. benchmarks/results/gpu-ledger-DATE)")
-    p.add_argument("--shapes", nargs="+", choices=["qwen3-4b", "qwen3-8b"], default=["qwen3-4b", "qwen3-8b"],
-                   help="drafter shapes (default: both)")
+    p.add_argument("--shapes", nargs="+", choices=list(gpu_ledger.SHAPES), default=list(gpu_ledger.SHAPES),
+                   help="drafter shapes (default: all)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32], help="default 1 8 32")
-    p.add_argument("--configs", nargs="+", choices=["mfd", "mfd_d"], default=["mfd", "mfd_d"],
+    p.add_argument("--configs", nargs="+", choices=list(gpu_ledger.CONFIGS), default=list(gpu_ledger.CONFIGS),
                    help="mfd: K = 8 modes; mfd_d: its single-mode path (default: both)")
     p.add_argument("--budgets", nargs="+", type=int, default=[16, 64], help="tree budgets B (default 16 64)")
-    p.add_argument("--log", type=Path, help="GPU check log whose round rows the launch floor is fitted to "
-                   "(default: the committed H200 log, benchmarks/results/fp8-draft-h200-2026-12-04.log)")
-    p.add_argument("--fit-on", nargs="+", choices=["ar_step_ms", "draft_ms", "round_ms"], default=["ar_step_ms"],
+    p.add_argument("--log", type=Path, default=gpu_ledger.DEFAULT_LOG, help="GPU check log whose round rows the "
+                   "launch floor is fitted to (default: the committed H200 log, "
+                   "benchmarks/results/fp8-draft-h200-2026-12-04.log)")
+    p.add_argument("--fit-on", nargs="+", choices=gpu_ledger.FIT_QUANTITIES, default=["ar_step_ms"],
                    help="the log's quantities the floor is fitted on (default ar_step_ms: the plain decode step); "
                    "residuals are printed for all")
     p.set_defaults(func=_gpu_ledger)

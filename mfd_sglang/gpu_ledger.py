@@ -17,9 +17,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .gpu_cost import (FREE_OPS, H200, SERIAL_LOOPS, DeviceModel, Kernel, KernelTrace, TritonLaunch, attach_issue_times,
-                       by_stage, compile_kernel, fit_launch_floor, issue_seconds, log_rows, patched, predicted_seconds,
-                       roofline_seconds, summarize, triton_launches)
+from .gpu_cost import (FREE_OPS, H200, SERIAL_LOOPS, DeviceModel, Kernel, KernelTrace, TritonLaunch,
+                       attach_issue_times, by_stage, compile_kernel, fit_launch_floor, issue_seconds, log_rows, patched,
+                       predicted_seconds, roofline_seconds, summarize, triton_launches)
 
 # --- scenarios: the serving worker's stages and round_cost.py's round, on fake CUDA ----------------------
 
@@ -401,7 +401,7 @@ def run(args, command: str) -> int:
     import sys
 
     report = build_report(tuple(args.shapes), tuple(args.batch_sizes), tuple(args.configs), tuple(args.budgets),
-                          (args.log or DEFAULT_LOG).resolve(), tuple(args.fit_on), progress=lambda line: print(line, file=sys.stderr))
+                          args.log.resolve(), tuple(args.fit_on), progress=lambda line: print(line, file=sys.stderr))
     print(markdown(report, command))
     if args.out:
         for path in write_outputs(report, Path(args.out), command):

@@ -39,7 +39,6 @@ def plugin_env(*names: str) -> dict:
 class TracedRound(NamedTuple):
     """One request's decode round as the round-trace plugin logged it: the arm drafted, what was accepted."""
 
-    tp_rank: int
     batch_size: int  # requests in the round's batch
     arm: tuple  # (single_mode, budget, modes): the serving worker's `Arm`
     accepted: int  # accepted draft tokens, the bonus token excluded
@@ -57,7 +56,7 @@ def round_traces(server: ServerProcess, *, tp_rank: int | None = None, since: in
     for rank, rid, bs, single, budget, modes, accepted in ROUND_TRACE.findall(server.log()[since:]):
         if tp_rank is None or int(rank) == tp_rank:
             arm = (single == "1", int(budget), None if modes == "all" else int(modes))
-            rounds[rid].append(TracedRound(int(rank), int(bs), arm, int(accepted)))
+            rounds[rid].append(TracedRound(int(bs), arm, int(accepted)))
     return dict(rounds)
 
 

@@ -2,7 +2,7 @@
 simulated servers whose best arm and costs are known (with and without a start-up calibration; a drafter
 that accepts nothing gets plain decoding), and MFD_D servers with it on CPU (tiny pair, fp32), held to what
 does not depend on their round times: exact greedy output across batch sizes while it switches budgets,
-a lone request's rounds (as the round-trace test plugin logs them: the arm the draft stage drafted, the
+every request's rounds (as the round-trace test plugin logs them: the arm the draft stage drafted, the
 tokens accepted) the reference engine's for the same arms round by round, the start-up calibration of
 every arm (positive, finite), seeded sampling unchanged, logprobs of the emitted tokens, no leak; with a
 drafter that accepts nothing, exact."""
@@ -313,7 +313,7 @@ def test_auto_budget_stays_exact_with_a_drafter_that_accepts_nothing(mismatched_
                                                                     tiny_prompts):
     """With a drafter that accepts next to nothing the chooser plays each path's largest tree until their
     acceptance is measured, then what the round times make it choose (plain decoding, by the policy's
-    simulation above); the output stays the target's through those switches, and the lone request's rounds
+    simulation above); the output stays the target's through those switches, and every request's rounds
     are the reference engine's for the arms the draft stage drafted."""
     served = run_six_and_one(mismatched_server, hf_target, tiny_prompts)
     traces = round_traces(mismatched_server)

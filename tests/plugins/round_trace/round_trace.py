@@ -1,13 +1,15 @@
 """A test-only SGLang plugin: every MFD decode round logs, per request, the arm the draft stage drafted and
 the draft tokens the target accepted, so that a test can hold what ran to the reference engine round by
-round (`servers.round_traces`, `references.assert_rounds_as_reference`): an arm the worker chose but did not draft shows up as an accept count the
-reference engine does not reach for that arm. Logs one line per request and round:
+round (`servers.round_traces`, `references.assert_rounds_as_reference`): an arm the worker chose but did not
+draft shows up as an accept count the reference engine does not reach for that arm. Logs one line per
+request and round:
 
     round_trace: tp_rank=R rid=RID bs=BS single_mode=0|1 budget=B modes=K'|all accepted=N
 
 (`bs`: the requests in the round's batch; `accepted`: accepted draft tokens, the bonus token excluded,
-before any max_new_tokens cut, as SGLang's `spec_correct_drafts_histogram` counts them). Servers load it with this folder on their PYTHONPATH (the
-dist-info beside it declares the entry point: `servers.plugin_env`)."""
+before any max_new_tokens cut, as SGLang's `spec_correct_drafts_histogram` counts them). Servers load it
+with this folder on their PYTHONPATH (the dist-info beside it declares the entry point:
+`servers.plugin_env`)."""
 
 import logging
 
