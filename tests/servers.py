@@ -78,10 +78,11 @@ def assert_hooks_applied(server: ServerProcess) -> None:
 
 
 def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: str | None, budget: int | None, *,
-                 threshold: int | None = None, max_running: int = 4, log_level: str = "warning",
+                 threshold: int | None = None, max_running: int | None = 4, log_level: str = "warning",
                  extra_args: tuple[str, ...] = (), extra_env: dict | None = None) -> ServerProcess:
     """A CPU server on the tiny pair's target (fp32), with `algorithm` and its drafter or (None) without
-    speculation, under SGLang's strict idle KV-leak check (which kills the scheduler on a leak)."""
+    speculation, under SGLang's strict idle KV-leak check (which kills the scheduler on a leak); max_running
+    None: no --max-running-requests (what the launch resolves)."""
     port = free_port()
     log = tmp_path_factory.mktemp("mfd_server") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
@@ -92,7 +93,8 @@ def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: s
     cmd = launch_command(tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter, budget=budget,
                          dtype="float32", extra_args=[
                              "--max-total-tokens", "4096", "--context-length", "1024",
-                             "--max-running-requests", str(max_running), "--log-level", log_level, *extra_args])
+                             *(("--max-running-requests", str(max_running)) if max_running else ()),
+                             "--log-level", log_level, *extra_args])
     return start(cmd, log, port=port, env=env)
 
 

@@ -26,7 +26,7 @@ from mfd_sglang.serving.budget import (PLAIN, SINGLE_MODE, Arm, BudgetChooser, P
                                        candidate_budgets, mode_paths)
 from mfd_sglang.serving.options import read_options
 from references import TOP_K_ALL, assert_served_as_reference_rounds, reference_sample
-from servers import (generate_ids, plugin_env, round_traces, run_six_and_one, served_without_leaks,
+from servers import (generate_ids, log_tail, plugin_env, round_traces, run_six_and_one, served_without_leaks,
                      start_server)
 
 
@@ -260,8 +260,9 @@ def test_the_option_is_checked():
 # --- a real server ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def auto_server(tiny_pair, tmp_path_factory):
-    """MFD_D with the automatic budget, at most B = 16, room for 6 running requests, INFO log."""
-    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=6,
+    """MFD_D with the automatic budget, at most B = 16, INFO log; no --max-running-requests, as the README
+    launches it (MFD resolves 48 at launch: every scheduler process must read that, not the unset flag)."""
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=None,
                        log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1", **plugin_env("round_trace")})
     yield from served_without_leaks(srv)
 
@@ -280,8 +281,8 @@ def test_auto_budget_drafts_the_arms_it_chooses_and_stays_exact(auto_server, ref
     make it choose next (the policy itself: the simulations above). Every request's rounds are the
     reference engine's for the arms the draft stage drafted, round by round; drafting the launch arm
     (B = 16, K modes) every round accepts otherwise on some request, so a worker that ignored the chosen
-    arm fails it. It was calibrated at start-up: every arm at every batch-size bucket up to the 6 running
-    requests (1, 2, 4, 8), each a positive, finite time."""
+    arm fails it. It was calibrated at start-up: every arm at every batch-size bucket up to the 48 running
+    requests the launch resolved (1, 2, ..., 64), each a positive, finite time; its memory line is at 48."""
     served = run_six_and_one(auto_server, hf_target, tiny_prompts)
     traces = round_traces(auto_server)
     paths = {r.arm[0] for rounds in traces.values() for r in rounds if r.arm[1] > 0}
@@ -289,8 +290,10 @@ def test_auto_budget_drafts_the_arms_it_chooses_and_stays_exact(auto_server, ref
     runs = assert_served_as_reference_rounds(served, traces, reference_target, reference_drafter(tiny_pair / "drafter"),
                                              ignored_arm=(False, 16, None))
     print(f"lone request's rounds (arm, accepted): {list(zip(*runs[-1]))}")
-    costs = calibrated_costs(auto_server.log())
-    assert len(costs) == 7 and all(len(ms) == 4 for ms in costs.values()), costs
+    log = auto_server.log()
+    assert re.search(r"MFD memory: .* at 48 requests", log), log_tail(auto_server.log_path)
+    costs = calibrated_costs(log)
+    assert len(costs) == 7 and all(len(ms) == batch_bucket(48).bit_length() for ms in costs.values()), costs
     assert all(0 < t < math.inf for ms in costs.values() for t in ms), costs
 
 

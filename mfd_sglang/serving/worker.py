@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from sglang.srt.arg_groups.model_override_base import resolved_view
 from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -74,6 +75,9 @@ class MFDWorkerV2(BaseSpecWorker):
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__()
+        # What the launch resolved (SGLang keeps MFD's `resolve_server_args` writes as declarations over the
+        # raw record, e.g. max_running_requests 48 when unset); the raw fields are what the user typed.
+        server_args = resolved_view(server_args)
         self.server_args = server_args
         self.gpu_id = gpu_id
         self._target_worker = target_worker
@@ -113,7 +117,7 @@ class MFDWorkerV2(BaseSpecWorker):
             tied_embeddings=self.model_runner.model.lm_head.weight is self.model_runner.model.get_input_embeddings().weight,
             dtype_bytes=drafting.embed_weight.element_size(), num_modes=drafting.num_modes,
             verify_graphs=options.auto_budget and str(self.device).startswith("cuda"))
-        logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests or 1)))
+        logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests)))
         cfg = drafting.drafter.cfg
         logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s)%s, block %d, linears %s), tree budget %s, "
                     "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm,
@@ -153,13 +157,13 @@ class MFDWorkerV2(BaseSpecWorker):
         calls this as well and nothing is captured)."""
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 
-        max_bs = int(self.server_args.max_running_requests or 48)
+        max_bs = int(self.server_args.max_running_requests)
         if not (self.server_args.disable_cuda_graph or check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)):
             if self.auto_budget is not None:
                 self.auto_budget.capture_verify_graphs(self.model_runner)
             self.drafting.capture_graphs(max_bs, self.auto_budget.arms if self.auto_budget else self.fixed_arms())
         if self.auto_budget is not None:
-            self.auto_budget.calibrate(int(self.server_args.max_running_requests),
+            self.auto_budget.calibrate(max_bs,
                                        self.model_runner.req_to_token_pool.req_to_token.shape[1],
                                        draft=self.drafting.tree, verify=self.placeholder_verify)
 
