@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.cuda_graph import capture
-from mfd_sglang.drafter import MFDDrafter, apply_rope, rms_norm, rope_cos_sin
+from mfd_sglang.drafter import MFDDrafter, apply_rope, rope_cos_sin
 from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.timing import mean_ms
@@ -64,6 +64,13 @@ class TargetConfig:
 def spread_layer_ids(num_layers: int, count: int) -> list[int]:
     """DFlash's choice of target layers: evenly from 1 to num_layers - 3 (Qwen3-4B: 1, 9, 17, 25, 33)."""
     return [round(1 + i * (num_layers - 4) / (count - 1)) for i in range(count)]
+
+
+def measured_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's RMSNorm as the committed H200 log measured it (float32 statistics in six kernels): the GPU
+    cost ledger fits its launch floor to that log's decode steps of this target, so the target stays as it ran."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def grouped_attention(q, k_cache, v_cache, visible):
@@ -120,19 +127,19 @@ class StaticTarget:
         index = write_slots[:, None, :, None].expand(bs, c.kv_heads, t, c.head_dim)
         x, features = self.embed[tokens], []
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["attn_norm"], c.rms_eps)
+            h = measured_rms_norm(x, w["attn_norm"], c.rms_eps)
             q, k, v = F.linear(h, w["qkv"]).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
                                                    c.kv_heads * c.head_dim], dim=-1)
-            q = apply_rope(rms_norm(q.view(bs, t, c.heads, c.head_dim), w["q_norm"], c.rms_eps), cos, sin)
-            k = apply_rope(rms_norm(k.view(bs, t, c.kv_heads, c.head_dim), w["k_norm"], c.rms_eps), cos, sin)
+            q = apply_rope(measured_rms_norm(q.view(bs, t, c.heads, c.head_dim), w["q_norm"], c.rms_eps), cos, sin)
+            k = apply_rope(measured_rms_norm(k.view(bs, t, c.kv_heads, c.head_dim), w["k_norm"], c.rms_eps), cos, sin)
             self.k_cache[i].scatter_(2, index, k.transpose(1, 2))
             self.v_cache[i].scatter_(2, index, v.view(bs, t, c.kv_heads, c.head_dim).transpose(1, 2))
             x = x + F.linear(grouped_attention(q, self.k_cache[i], self.v_cache[i], visible), w["o"])
-            gate, up = F.linear(rms_norm(x, w["mlp_norm"], c.rms_eps), w["gate_up"]).chunk(2, dim=-1)
+            gate, up = F.linear(measured_rms_norm(x, w["mlp_norm"], c.rms_eps), w["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w["down"])
             if i in self.feature_layers:
                 features.append(x)
-        return rms_norm(x, self.norm, c.rms_eps), torch.cat(features, dim=-1)
+        return measured_rms_norm(x, self.norm, c.rms_eps), torch.cat(features, dim=-1)
 
     def prefill(self, tokens):
         """Prompts [bs, P] into cache slots 0..P-1; returns the last logits [bs, V] and features [bs, P, n*H]."""
@@ -206,7 +213,8 @@ class SpecRound:
         self.context = DraftContextPool(drafter, bs * max_len, device=target.device, dtype=target.dtype)
         self.req_to_token = torch.arange(bs * max_len, device=target.device, dtype=torch.int32).view(bs, max_len)
         self.requests = torch.arange(bs, device=target.device)
-        self.attention_backend = "triton" if str(target.device).startswith("cuda") else "torch"
+        # The worker's kernels: the fused Triton mode attention and vocabulary top-B on CUDA, torch elsewhere.
+        self.kernel_backend = "triton" if str(target.device).startswith("cuda") else "torch"
         self.head_weight = drafter.head_weight(target.lm_head)
 
     def write_context(self, features, positions) -> None:
@@ -222,10 +230,10 @@ class SpecRound:
 
     def draft(self, roots, cache_lens) -> DraftCandidates:
         """The B best tokens per (mode, position) of the blocks `[root, MASK x D]` at positions
-        cache_lens.., scored over the vocabulary in chunks, as the SGLang worker drafts."""
-        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.attention_backend)
+        cache_lens.., as the SGLang worker drafts (`DraftStage.candidates`)."""
+        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.kernel_backend)
         return self.drafter.block_candidates(roots, cache_lens, context, self.target.embed, self.head_weight,
-                                             self.budget, single_mode=self.single_mode)
+                                             self.budget, single_mode=self.single_mode, backend=self.kernel_backend)
 
     def tree(self, candidates: DraftCandidates) -> DraftTree:
         tree = build_mixture_tree(candidates, self.budget, backend=self.tree_backend)

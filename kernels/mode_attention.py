@@ -78,6 +78,13 @@ def _mode_attention_kernel(
              out.to(OUT.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
 
 
+def _same_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as they are when they share strides with a unit-stride last dim, else contiguous copies."""
+    if k.stride() == v.stride() and k.stride(-1) == 1:
+        return k, v
+    return k.contiguous(), v.contiguous()
+
+
 def mode_attention_triton(q, block_k, block_v, pool_k, pool_v, req_to_token, req_pool_indices, context_lens,
                           *, num_modes: int, block_m: int = 64, block_n: int = 32) -> torch.Tensor:
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -89,8 +96,12 @@ def mode_attention_triton(q, block_k, block_v, pool_k, pool_v, req_to_token, req
         raise ValueError(f"heads {num_heads} / kv heads {num_kv_heads} and rows {rows} / modes {num_modes} "
                          "must divide evenly")
     group = num_heads // num_kv_heads
-    q, block_k, block_v = q.contiguous(), block_k.contiguous(), block_v.contiguous()
-    pool_k, pool_v = pool_k.contiguous(), pool_v.contiguous()
+    # The kernel takes any batch / head / row strides (one set for k and v) and needs unit-stride head dims:
+    # the drafter's q / k / v are [bs, K*T, heads, hd] tensors seen as [bs, heads, K*T, hd], read in place,
+    # and the output takes q's layout, so the drafter's o_proj reads it back without a copy.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_k, block_v = _same_strides(block_k, block_v)
+    pool_k, pool_v = _same_strides(pool_k, pool_v)
     out = torch.empty_like(q)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_r = max(16, triton.next_power_of_2(rows))

@@ -58,10 +58,8 @@ def fp8_linear_shapes(cfg: DrafterConfig) -> list[tuple[int, int]]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """RMSNorm over the last dim: PyTorch's fused op (one kernel on CUDA, float32 statistics)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -70,6 +68,18 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class Rope(NamedTuple):
+    """A round's rope tables [bs, T, 1, head_dim] (broadcast over heads), made once and read by every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, cfg: DrafterConfig, dtype: torch.dtype) -> "Rope":
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        return cls(cos[:, :, None], sin[:, :, None])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,29 +211,27 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
 
-    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values [bs, kv_heads, T, hd] for inputs x [bs, T, H] at positions [bs, T]."""
+    def keys_values(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [bs, kv_heads, T, hd] for inputs x [bs, T, H] under the rope
+        tables of their positions."""
         bs, t, _ = x.shape
         k = self.k_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)
-        k = rms_norm(k, self.k_norm, self.cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta, x.dtype)
-        k = apply_rope(k, cos[:, :, None], sin[:, :, None])
+        k = apply_rope(rms_norm(k, self.k_norm, self.cfg.rms_norm_eps), rope.cos, rope.sin)
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """x [bs, K*T, H] (mode-major), positions [bs, K*T]; `attend(q, k, v)` joins the block's
-        queries / keys / values [bs, heads, K*T, hd] with the context (`dense_attention` or a paged
-        context's mode attention) and returns [bs, heads, K*T, hd]."""
+    def forward(self, x: torch.Tensor, rope: Rope, attend) -> torch.Tensor:
+        """x [bs, K*T, H] (mode-major), rope: the tables of its positions [bs, K*T]; `attend(q, k, v)` joins
+        the block's queries / keys / values [bs, heads, K*T, hd] (views of [bs, K*T, heads, hd]) with the
+        context (`dense_attention` or a paged context's mode attention) and returns [bs, heads, K*T, hd]."""
         bs, rows, _ = x.shape
         eps = self.cfg.rms_norm_eps
         h = rms_norm(x, self.input_layernorm, eps)
         q = self.q_proj(h).view(bs, rows, self.num_heads, self.head_dim)
-        q = rms_norm(q, self.q_norm, eps)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta, x.dtype)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).transpose(1, 2)
-        k, v = self.keys_values(h, positions)
+        q = apply_rope(rms_norm(q, self.q_norm, eps), rope.cos, rope.sin).transpose(1, 2)
+        k, v = self.keys_values(h, rope)
         attn = attend(q, k, v)
+        # A view when attend's output is laid out [bs, K*T, heads, hd] (mode attention's is); else a copy.
         x = x + self.o_proj(attn.transpose(1, 2).reshape(bs, rows, -1))
         h = rms_norm(x, self.post_attention_layernorm, eps)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -303,7 +311,8 @@ class MFDDrafter(nn.Module):
                    valid: torch.Tensor | None = None) -> DraftContext:
         """Per-layer context keys/values for new context tokens (appended to the draft cache)."""
         ctx = self.project_context(target_hidden)
-        keys, values = zip(*(layer.keys_values(ctx, positions) for layer in self.layers))
+        rope = Rope.at(positions, self.cfg, ctx.dtype)
+        keys, values = zip(*(layer.keys_values(ctx, rope) for layer in self.layers))
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         return DraftContext(list(keys), list(values), positions, valid)
@@ -341,8 +350,9 @@ class MFDDrafter(nn.Module):
                        for i in range(len(self.layers))]
         else:  # a paged context (mfd_sglang.serving.draft_context_pool.PagedDraftContext)
             attends = [context.attend(i, num_modes=k) for i in range(len(self.layers))]
+        rope = Rope.at(positions, self.cfg, x.dtype)
         for layer, attend in zip(self.layers, attends):
-            x = layer(x, positions, attend)
+            x = layer(x, rope, attend)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps).view(bs, k, t, h)
         drafted = x[:, :, 1:].contiguous()
         return (drafted, x[:, :, 0]) if with_anchor else drafted

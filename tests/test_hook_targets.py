@@ -103,22 +103,30 @@ def test_the_static_resolution_finds_every_target_and_names_a_lost_one(live_hook
         assert len(lost) == 1 and lost[0].startswith(target + ": "), (target, file, lost)
 
 
-def test_a_process_with_a_hook_that_did_not_apply_refuses_to_publish():
-    """A scheduler-like process: load_plugins(), then publish(). With a hook whose target does not exist,
-    SGLang logs the failure and carries on; the plugin's check raises at publish, naming the hook."""
-    proc = run_python(CPU_PROCESS + REGISTER_BOGUS + """
+@pytest.mark.parametrize("algorithm", ["MFD", "mfd_d", "unreadable", None, "EAGLE", "DFLASH"])
+def test_a_hook_that_did_not_apply_stops_mfd_only(algorithm):
+    """A scheduler-like process: load_plugins(), then publish(server_args). With a hook whose target does not
+    exist, SGLang logs the failure and carries on; the plugin's check raises at publish, naming the hook, when
+    the process serves MFD / MFD_D or its arguments cannot be read; any other server gets a warning naming it
+    and goes on (here into SGLang's publish, which the stand-in arguments then fail)."""
+    args = "None" if algorithm == "unreadable" else f"SimpleNamespace(speculative_algorithm={algorithm!r})"
+    proc = run_python(CPU_PROCESS + REGISTER_BOGUS + f"""
+from types import SimpleNamespace
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.runtime_context import publish
 try:
-    publish(None, role="detokenizer")
+    publish({args}, role="detokenizer")
 except Exception as e:
     print("RAISED", type(e).__name__, e)
 """)
     assert f"{HOOK_FAILURE} to {BOGUS}" in proc.stderr, proc.stderr[-4000:]  # what the server fixtures look for
     raised = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RAISED ")), "")
-    assert raised.startswith("RAISED HooksNotInstalled") and f"{BOGUS} (__main__.never_applied)" in raised, \
-        (proc.stdout + proc.stderr)[-4000:]
+    refused = raised.startswith("RAISED HooksNotInstalled") and f"{BOGUS} (__main__.never_applied)" in raised
+    assert refused == (algorithm in ("MFD", "mfd_d", "unreadable")), (proc.stdout + proc.stderr)[-4000:]
+    if not refused:
+        assert f"hooks not installed in this process: {BOGUS} (__main__.never_applied)" in proc.stderr
+        assert f"This server (--speculative-algorithm {algorithm}) does not run MFD and starts" in proc.stderr
 
 
 def test_the_launcher_stops_when_a_hook_did_not_apply(tiny_pair, tmp_path):

@@ -59,6 +59,12 @@ def case_interpreter(device="cpu", dtypes=INTERPRETER_DTYPES):
             tol = 1e-4 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol,
                                        msg=lambda m: f"{(bs, modes, block, heads, kv_heads, dim, lens)} {dtype}: {m}")
+            # The drafter's layout: q / k / v are [bs, K*T, heads, d] tensors seen as [bs, heads, K*T, d]; read
+            # in place (no copy), the same numbers, the output in q's layout.
+            as_drafter = {k: v.transpose(1, 2).contiguous().transpose(1, 2) if k in ("q", "block_k", "block_v") else v
+                          for k, v in case.items()}
+            in_place = mode_attention(**as_drafter, num_modes=modes, backend="triton")
+            assert torch.equal(in_place, got) and in_place.stride() == as_drafter["q"].stride(), shape
             print(case_name(shape, dtype), flush=True)
 
 

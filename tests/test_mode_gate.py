@@ -12,7 +12,7 @@ import torch
 
 from mfd_sglang.checkpoint import CheckpointError, describe, load_drafter
 from mfd_sglang.cli import main
-from mfd_sglang.drafter import DraftContext, MFDDrafter, ModeSubset, rms_norm
+from mfd_sglang.drafter import DraftContext, MFDDrafter, ModeSubset, Rope, rms_norm
 from mfd_sglang.hf import SamplingParams, SpeculativeGenerator, load_target, plain_greedy
 from mfd_sglang.lab.evaluate import continue_prompt, prompt_outcomes, walk
 from mfd_sglang.lab.train import TrainConfig, train
@@ -260,8 +260,9 @@ def root_only_gate(drafter: MFDDrafter, root: torch.Tensor, start: torch.Tensor,
     for k in range(drafter.cfg.num_modes):
         x = (embed[root] + drafter.mode_embed[k])[None, None]  # [1, 1, H]
         positions = start.view(1, 1)
+        rope = Rope.at(positions, drafter.cfg, x.dtype)
         for layer, attend in zip(drafter.layers, root_only_attention(drafter, context, positions)):
-            x = layer(x, positions, attend)
+            x = layer(x, rope, attend)
         anchors.append(rms_norm(x, drafter.norm, drafter.cfg.rms_norm_eps)[0, 0])
     return torch.log_softmax(drafter.mode_prior(torch.stack(anchors).mean(0)), dim=-1)
 

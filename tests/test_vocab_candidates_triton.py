@@ -111,6 +111,10 @@ def case_ties(device="cpu", dtypes=CPU_DTYPES, sync_check=False):
         weight[[150, 9, 77, 120, 33]] = 3.0
         ids = assert_exact(put(torch.full((2, 20), 3.0)), put(weight), 8, sync_check=sync_check, tile_v=16)
         assert ids[:, :5].tolist() == [[9, 33, 77, 120, 150]] * 2, ids
+        # One split of 16 tiles, the best row in the first: the later tiles hold the rest of the top-8.
+        weight = small_ints(15, (256, 20), -2, 2)
+        weight[0] = 3.0
+        assert_exact(put(torch.full((2, 20), 3.0)), put(weight), 8, sync_check=sync_check, tile_v=16, max_splits=1)
 
 
 def case_drafter(device="cpu", dtypes=(torch.float32,), sync_check=False):

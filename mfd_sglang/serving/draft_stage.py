@@ -3,7 +3,8 @@
 `DraftStage.tree(roots, seq_lens, req_pool_indices, max_len, arm)` drafts the block `[root, MASK...]`
 of every request for the arm's path (K modes, each request's K' best modes under the mode gate, or
 MFD_D's single mode), keeps each position's B best
-tokens scoring the vocabulary in chunks (`MFDDrafter.block_candidates`: no [bs, K, D, V] tensor), builds
+tokens (`MFDDrafter.block_candidates`: no [bs, K, D, V] tensor; on CUDA one fused lm_head + top-B kernel,
+`kernels/vocab_candidates.py`, elsewhere the torch reference in vocabulary chunks), builds
 the mixture tree of B nodes (`build_mixture_tree`: Triton on CUDA, torch elsewhere) and lays it out for
 SGLang's tree verify (`tree_to_verify_layout`). Budget 0 is plain decoding: no draft, the root alone.
 
@@ -46,6 +47,7 @@ class DraftStage:
         self.embed_weight, self.head_weight = embed_weight, head_weight
         on_cuda = str(device).startswith("cuda")
         self.tree_backend = "triton" if on_cuda else "torch"
+        self.vocab_backend = "triton" if on_cuda else "torch"
         sliding = any(drafter.cfg.is_sliding(i) for i in range(drafter.cfg.num_hidden_layers))
         self.mode_attention_backend = None if sliding else "triton" if on_cuda else "torch"
         self.context_pool: DraftContextPool | None = None  # once the target's KV pool exists
@@ -138,7 +140,8 @@ class DraftStage:
         modes = None if arm.modes is None else self.drafter.gate_modes(roots, seq_lens, context,
                                                                        self.embed_weight, arm.modes)
         return self.drafter.block_candidates(roots, seq_lens, context, self.embed_weight, self.head_weight,
-                                             arm.budget, single_mode=arm.single_mode, modes=modes)
+                                             arm.budget, single_mode=arm.single_mode, modes=modes,
+                                             backend=self.vocab_backend)
 
     def tree_of(self, candidates: DraftCandidates, roots: torch.Tensor, seq_lens: torch.Tensor,
                 budget: int) -> tuple[DraftTree, VerifyLayout]:
