@@ -195,13 +195,14 @@ print(json.dumps(results))
 """
 
 
-def resolve(tiny_pair, *argvs: list[str], env: dict | None = None) -> list[dict]:
+def resolve(tiny_pair, *argvs: list[str], env: dict | None = None, with_log: bool = False):
     """SGLang 0.5.23's own CLI parsing and resolution pipeline (where MFD's `validate_server_args` runs)
     of an MFD launch of the tiny pair with each extra argument list (a later flag overrides the launch's:
     e.g. another --speculative-draft-model-path), under the environment variables `env`: the resolved
-    layout, or the refusal's message."""
+    layout, or the refusal's message; with_log: (those, the warnings logged, all cases together)."""
     cases = [(argv, env or {}) for argv in argvs]
     out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(cases)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.splitlines()[-1])
+    results = json.loads(out.stdout.splitlines()[-1])
+    return (results, out.stderr) if with_log else results

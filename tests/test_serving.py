@@ -19,6 +19,7 @@ from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.serving.options import budget_from_num_draft_tokens, default_num_draft_tokens, read_options
 from mfd_sglang.patches.request_checks import unsupported_request_features
+from servers import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +75,30 @@ def test_validate_server_args(tiny_pair, changes, message):
     else:
         with pytest.raises(ValueError, match=message.replace("-", r"\-")):
             validate_server_args(args)
+
+
+def test_the_launch_says_what_it_changes_and_refuses_8_bit_kv_caches(tiny_pair):
+    """On SGLang's real argument parsing and resolution: every flag MFD sets or overrides is a warning naming it
+    (as SGLang's DFLASH warns for the same ones); an 8-bit target or draft KV cache dtype is refused naming the
+    flag (the drafter's context pool would not be in it); a bf16 one is served."""
+    [plain], defaults = resolve(tiny_pair, [], with_log=True)
+    assert "error" not in plain, plain
+    assert "speculative_num_draft_tokens is not set; defaulting to 17 for MFD" in defaults, defaults[-3000:]
+    assert "Max running requests is reset to 48" in defaults, defaults[-3000:]
+    assert "overriding" not in defaults, defaults[-3000:]
+    [overridden], log = resolve(tiny_pair, ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                                            "--enable-mixed-chunk", "--max-running-requests", "8",
+                                            "--speculative-num-draft-tokens", "9"], with_log=True)
+    assert "error" not in overridden, overridden
+    for said in ("overriding speculative_num_steps=3 to 1", "overriding speculative_eagle_topk=4 to 1",
+                 "overriding --enable-mixed-chunk to off"):
+        assert said in log, (said, log[-3000:])
+    assert "Max running requests is reset" not in log and "is not set; defaulting" not in log, log[-3000:]
+    target, draft, bf16 = resolve(tiny_pair, ["--kv-cache-dtype", "fp8_e4m3"],
+                                  ["--speculative-draft-kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "bf16"])
+    assert "--kv-cache-dtype fp8_e4m3: MFD keeps the drafter's context in the model dtype" in target.get("error", "")
+    assert "--speculative-draft-kv-cache-dtype fp8_e5m2: MFD keeps" in draft.get("error", ""), draft
+    assert "error" not in bf16, bf16
 
 
 def test_validate_server_args_rejects_more_modes_than_the_drafter_has(tiny_pair, monkeypatch):

@@ -40,9 +40,19 @@ def resolve_server_args(server_args) -> None:
 
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = default_num_draft_tokens(server_args.device)
-    # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1.
-    server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = 1
+        logger.warning("speculative_num_draft_tokens is not set; defaulting to %d for MFD (a tree of %d draft "
+                       "tokens plus the root).", server_args.speculative_num_draft_tokens,
+                       server_args.speculative_num_draft_tokens - 1)
+    # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1 (saying so
+    # when they were set otherwise, as SGLang's DFLASH does).
+    for field in ("speculative_num_steps", "speculative_eagle_topk"):
+        value = getattr(server_args, field)
+        if value is not None and int(value) != 1:
+            logger.warning("MFD only supports %s == 1; overriding %s=%s to 1.", field, field, value)
+        setattr(server_args, field, 1)
+    if server_args.enable_mixed_chunk:
+        logger.warning("MFD verifies its trees in decode rounds of their own; overriding --enable-mixed-chunk "
+                       "to off.")
     server_args.enable_mixed_chunk = False
     disable_splitkv_verify()
     # Overlap scheduling follows SGLang's flag on every device. SGLang turns it off for its own
@@ -50,6 +60,8 @@ def resolve_server_args(server_args) -> None:
     # inputs kept alive), so a CPU server runs the same scheduler flow as a GPU one by default.
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 48
+        logger.warning("Max running requests is reset to 48 for speculative decoding. You can override this by "
+                       "explicitly setting --max-running-requests.")
     resolve_attention_backend(server_args)
     plan_launch_memory(server_args)
 
@@ -151,6 +163,14 @@ def unsupported_configuration(server_args) -> list[str]:
                         "(drop the flag)")
     if getattr(server_args, "speculative_adaptive", False):
         problems.append("--speculative-adaptive is not supported")
+    # The drafter's context pool is kept in the model dtype, while SGLang would plan its memory (and a DFlash
+    # draft pool) in the 8- or 4-bit dtype these ask for: refused until the pool can hold it.
+    for flag, field in (("--kv-cache-dtype", "kv_cache_dtype"),
+                        ("--speculative-draft-kv-cache-dtype", "speculative_draft_kv_cache_dtype")):
+        value = str(getattr(server_args, field, None) or "auto")
+        if value not in ("auto", "bf16", "bfloat16"):
+            problems.append(f"{flag} {value}: MFD keeps the drafter's context in the model dtype, not {value} "
+                            f"(drop the flag or pass {flag} auto)")
     return problems
 
 
