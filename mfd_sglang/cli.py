@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=16, help="the largest MFD tree budget the automatic budget may "
                    "choose, or with --fixed-budget the budget (default 16)")
     p.add_argument("--fixed-budget", action="store_true", help="MFD at --budget in every round instead of the "
-                   "automatic budget (MFD_SGLANG_AUTO_BUDGET)")
+                   "automatic budget (--mfd-auto-budget)")
     p.add_argument("--repeats", type=int, default=3, help="passes over the requests per server; speeds are "
                    "the median pass (default 3)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,

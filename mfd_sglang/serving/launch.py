@@ -190,10 +190,10 @@ def validate_server_args(server_args) -> None:
                              revision=getattr(server_args, "revision", None))
     if refusal:
         raise ValueError(refusal)
-    options = read_options()
+    options = read_options(server_args)
     if options.auto_budget and int(server_args.tp_size or 1) > 1:
         # Each rank would choose from its own round times: the ranks could verify different trees.
-        raise ValueError(f"MFD_SGLANG_AUTO_BUDGET=1 with --tp-size {server_args.tp_size}: the automatic "
+        raise ValueError(f"{options.spelled['auto_budget']} with --tp-size {server_args.tp_size}: the automatic "
                          "budget runs with one rank only for now; use a fixed budget "
                          "(--speculative-num-draft-tokens) under tensor parallelism.")
     if server_args.speculative_num_draft_tokens is not None:
@@ -210,14 +210,14 @@ def validate_server_args(server_args) -> None:
         raise ValueError(f"--speculative-draft-model-path {path} does not fit --model-path "
                          f"{server_args.model_path}: {e}") from None
     if options.num_modes is not None and options.num_modes > ckpt.config.num_modes:
-        raise ValueError(f"MFD_SGLANG_NUM_MODES={options.num_modes} but the drafter at {path} has "
-                         f"{ckpt.config.num_modes} mode(s); set at most {ckpt.config.num_modes} or unset it.")
+        raise ValueError(f"{options.spelled['num_modes']} but the drafter at {path} has "
+                         f"{ckpt.config.num_modes} mode(s); set at most {ckpt.config.num_modes} or drop it.")
     if options.mode_subsets and not (options.auto_budget and ckpt.config.mode_prior == "gate"):
-        lacking = " and ".join(([] if options.auto_budget else ["MFD_SGLANG_AUTO_BUDGET=1"]) +
+        lacking = " and ".join(([] if options.auto_budget else ["--mfd-auto-budget"]) +
                                ([] if ckpt.config.mode_prior == "gate" else [f"a drafter with a mode gate (the one "
                                                                                f"at {path} weighs its modes uniformly)"]))
-        raise ValueError(f"MFD_SGLANG_MODE_SUBSETS=1: the automatic budget chooses per request modes by the "
-                         f"drafter's mode gate; it needs {lacking}. Unset it.")
+        raise ValueError(f"{options.spelled['mode_subsets']}: the automatic budget chooses per request modes by "
+                         f"the drafter's mode gate; it needs {lacking}. Drop it.")
 
 
 def check_drafter_path(algo: str, path) -> None:

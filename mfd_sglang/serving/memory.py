@@ -288,7 +288,7 @@ def plan_launch_memory(server_args) -> None:
 
     from .options import budget_from_num_draft_tokens, read_options
 
-    options = read_options()
+    options = read_options(server_args)
     target = target_text_config(server_args.model_path)
     plan = drafter_memory_plan(server_args, load_drafter(server_args.speculative_draft_model_path),
                                budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),

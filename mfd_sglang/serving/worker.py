@@ -95,7 +95,7 @@ class MFDWorkerV2(BaseSpecWorker):
         self.topk = 1
         self.budget = budget_from_num_draft_tokens(self.speculative_num_draft_tokens)
 
-        options = read_options()
+        options = read_options(server_args)
         ckpt = load_drafter(spec.speculative_draft_model_path)
         self.draft_quantization = draft_quantization(server_args)  # "fp8": attention and MLP linears in e4m3
         self.drafting = DraftStage.for_target(ckpt, self.model_runner, fp8_linears=self.draft_quantization == "fp8",
