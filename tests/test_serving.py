@@ -507,7 +507,7 @@ def test_verify_graphs_by_width_capture_each_width_and_activate_it(tiny_pair):
     assert out["active_9"] == ["launch backend", "launch graphs"]
     assert out["failed"] == ["capture failed", 9, False]
     assert out["oom"].startswith("MFD automatic budget: out of device memory capturing the tree-verify graphs of "
-                                 "a 1-token window") and "MFD_SGLANG_AUTO_BUDGET unset" in out["oom"]
+                                 "a 1-token window") and "without --mfd-auto-budget" in out["oom"]
 
 
 DRAFT_STAGE_BUDGET = 12
