@@ -46,7 +46,7 @@ def resolve_server_args(server_args) -> None:
     # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1 (saying so
     # when they were set otherwise, as SGLang's DFLASH does).
     for field in ("speculative_num_steps", "speculative_eagle_topk"):
-        value = getattr(server_args, field, None)
+        value = getattr(server_args, field)
         if value is not None and int(value) != 1:
             logger.warning("MFD only supports %s == 1; overriding %s=%s to 1.", field, field, value)
         setattr(server_args, field, 1)
