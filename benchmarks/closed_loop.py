@@ -16,9 +16,9 @@ Configurations: ar (no speculation), dflash (SGLang's own DFLASH chain with the 
 verifies the drafter's block, block_size tokens per request and round; on a CPU through the CPU launcher's
 hooks, mfd_sglang/patches/cpu_dflash.py), mfd, mfd_d, ddtree (MFD with the single-mode drafter, K = 1). A
 tree one may name its budget: `mfd_d@8` (B = 8; plain `mfd_d` uses --budget), or `mfd_d@auto` (the automatic
-budget, MFD_SGLANG_AUTO_BUDGET=1, at most --budget; with a drafter that has a mode gate its paths include
+budget, --mfd-auto-budget, at most --budget; with a drafter that has a mode gate its paths include
 each request's K/2 and 1 best modes), or `mfd@auto-kmodes` (the same over all K modes only,
-MFD_SGLANG_MODE_SUBSETS=0: the automatic budget without the mode subsets). Every configuration's speed-up over AR at the same b is
+--mfd-mode-subsets off: the automatic budget without the mode subsets). Every configuration's speed-up over AR at the same b is
 reported (`speedup`; with repeats also `speedup_paired`, the median of the per-turn ratios). With an `@auto`
 configuration and fixed budgets of the same one, the report also compares auto with AR and with the best
 fixed budget at each b (`auto_vs`):
@@ -57,8 +57,7 @@ from mfd_sglang.server_process import ServerProcess, free_port, launch_command
 
 CONFIGS = ("ar", "dflash", "mfd", "mfd_d", "ddtree")
 TREE_CONFIGS = ("mfd", "mfd_d", "ddtree")  # those with a tree budget (@B, @auto, @auto-kmodes)
-AUTO_ENV = {"auto": {"MFD_SGLANG_AUTO_BUDGET": "1"},
-            "auto-kmodes": {"MFD_SGLANG_AUTO_BUDGET": "1", "MFD_SGLANG_MODE_SUBSETS": "0"}}
+AUTO_FLAGS = {"auto": ["--mfd-auto-budget"], "auto-kmodes": ["--mfd-auto-budget", "--mfd-mode-subsets", "off"]}
 DRAFTER_FLAG = {"dflash": "single_drafter", "ddtree": "single_drafter", "mfd": "mfd_drafter", "mfd_d": "mfd_drafter"}
 
 
@@ -79,7 +78,7 @@ def parse_configs(text: str) -> list[str]:
         if budget is not None and base not in TREE_CONFIGS:
             raise ValueError(f"configuration {name!r}: only {TREE_CONFIGS} take a tree budget (dflash verifies "
                              "its drafter's block)")
-        if budget not in (None, *AUTO_ENV) and not (budget.isdigit() and int(budget) >= 1):
+        if budget not in (None, *AUTO_FLAGS) and not (budget.isdigit() and int(budget) >= 1):
             raise ValueError(f"configuration {name!r}: the budget must be an integer >= 1, 'auto' or 'auto-kmodes'")
     if len(set(configs)) < len(configs):
         raise ValueError(f"configurations named twice in {text!r}")
@@ -89,10 +88,11 @@ def parse_configs(text: str) -> list[str]:
 def server_command(name: str, args, port: int, device: str, max_batch: int) -> list[str]:
     """The launch command of one configuration."""
     extra = ["--max-running-requests", str(max_batch), "--context-length", str(args.context_length),
-             "--log-level", "info" if split_config(name)[1] in AUTO_ENV else "warning"]
+             "--log-level", "info" if split_config(name)[1] in AUTO_FLAGS else "warning",
+             *AUTO_FLAGS.get(split_config(name)[1], [])]
     common = dict(port=port, device=device, dtype=args.dtype, extra_args=extra)
     name, budget = split_config(name)
-    budget = args.budget if budget in (None, *AUTO_ENV) else int(budget)
+    budget = args.budget if budget in (None, *AUTO_FLAGS) else int(budget)
     if name == "ar":
         return launch_command(args.target, **common)
     if name == "dflash":  # block_size from the drafter
@@ -110,9 +110,9 @@ def compare_auto(results: dict) -> dict:
     report = {}
     for name, runs in results.items():
         base, budget = split_config(name)
-        if budget not in AUTO_ENV:
+        if budget not in AUTO_FLAGS:
             continue
-        fixed = {n: r for n, r in results.items() if split_config(n)[0] == base and split_config(n)[1] not in (None, *AUTO_ENV)}
+        fixed = {n: r for n, r in results.items() if split_config(n)[0] == base and split_config(n)[1] not in (None, *AUTO_FLAGS)}
         report[name] = {}
         for b, run in runs.items():
             entry = ratios(run, results["ar"][b], "vs_ar") if "ar" in results else {"vs_ar": None}
@@ -331,8 +331,7 @@ def main(argv=None) -> int:
         port = free_port()
         cmd = server_command(name, args, port, args.device, max_batch)
         bar.set_postfix_str(f"starting {name}")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MFD_SGLANG_AUTO_BUDGET": "0",
-               **AUTO_ENV.get(split_config(name)[1], {})}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         srv = stack.enter_context(ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900))
         stream_one(srv.base_url, prompts[0], 8, args.timeout)  # warm-up
         return srv.base_url

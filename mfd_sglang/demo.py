@@ -5,7 +5,7 @@
    package, cached), and takes the shipped MFD drafter `drafters/smollm2-135m/mfd`;
 2. starts a plain SGLang server, sends a few chat requests through the OpenAI client, stops it;
 3. starts the same server with `--speculative-algorithm MFD` and the automatic budget
-   (MFD_SGLANG_AUTO_BUDGET=1: the budget, at most --budget, and plain decoding when speculation does
+   (--mfd-auto-budget: the budget, at most --budget, and plain decoding when speculation does
    not pay, chosen from what the server measures), sends the same requests, stops it;
 4. prints the answers, tau (SGLang's average accepted tokens per verify round), the budget the server
    chose and the speed of both servers: the median over `repeats` passes over the requests.
@@ -61,10 +61,10 @@ class ServerRun:
 
 
 def serve_and_ask(label: str, cmd: list[str], port: int, prompts, max_tokens: int, log_path: Path,
-                  say=print, repeats: int = 1, env: dict | None = None) -> ServerRun:
+                  say=print, repeats: int = 1) -> ServerRun:
     from openai import OpenAI
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
     say(f"[demo] starting the {label} server (log: {log_path}) ...")
     run = ServerRun(label)
     with ServerProcess(cmd, log_path, port=port, env=env, startup_timeout=900) as server:
@@ -116,10 +116,10 @@ def run_demo(target, drafter, *, prompts=DEFAULT_PROMPTS, max_tokens: int = 96, 
         cmd = launch_command(target, port=port, algorithm=algorithm, drafter=drafter, budget=budget,
                              device=device, dtype=dtype,
                              extra_args=["--max-running-requests", "4", "--context-length", "2048",
-                                         "--log-level", "info" if algorithm and auto_budget else "warning"])
-        env = {"MFD_SGLANG_AUTO_BUDGET": "1" if algorithm and auto_budget else "0"}
+                                         "--log-level", "info" if algorithm and auto_budget else "warning",
+                                         *(["--mfd-auto-budget"] if algorithm and auto_budget else [])])
         runs.append(serve_and_ask(label, cmd, port, list(prompts), max_tokens, log_dir / f"{label}.log", say,
-                                  repeats=repeats, env=env))
+                                  repeats=repeats))
     plain, mfd = runs
     report(plain, mfd, prompts, device=device, dtype=dtype, budget=budget, auto_budget=auto_budget, say=say)
     return plain, mfd

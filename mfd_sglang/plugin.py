@@ -5,7 +5,7 @@ arguments, so what is registered here is known everywhere:
   - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.algorithms`) with their worker
     factory, `mfd_worker_class`: this module is where the algorithms meet the worker, so neither of
     `serving/algorithms.py` and `serving/worker.py` imports the other;
-  - their HookRegistry hooks: the target check (hybrid / sliding-window targets are refused) and
+  - their HookRegistry hooks: MFD's options as flags of SGLang's parser (`mfd_sglang.patches.mfd_flags`), the target check (hybrid / sliding-window targets are refused) and
     the drafter-path check before SGLang's argument resolution acts on them
     (`mfd_sglang.patches.launch_checks`), the per-request checks
     (`mfd_sglang.patches.request_checks`), the penalty state on the forward's sampling info
@@ -65,8 +65,8 @@ def register() -> None:
     from . import __version__
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
-    from .patches import (hybrid_tree_verify, installed_check, launch_checks, penalty_state, request_checks,
-                          retraction_backup, tree_verify_graph_runner)
+    from .patches import (hybrid_tree_verify, installed_check, launch_checks, mfd_flags, penalty_state,
+                          request_checks, retraction_backup, tree_verify_graph_runner)
 
     try:
         from .serving.algorithms import register_algorithms
@@ -76,6 +76,7 @@ def register() -> None:
         print(f"[mfd_sglang] could not register the MFD / MFD_D speculative algorithms: "
               f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
+    mfd_flags.install()
     launch_checks.install()
     request_checks.install()
     penalty_state.install()

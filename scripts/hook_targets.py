@@ -71,7 +71,9 @@ def _bindings(body: list[ast.stmt]) -> dict[str, ast.AST]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 for leaf in ast.walk(target):
-                    if isinstance(leaf, ast.Name):
+                    # A class rebuilt under its own name keeps its definition's attributes (SGLang's
+                    # `ServerArgs = msgspec.defstruct(..., namespace of ServerArgs)`).
+                    if isinstance(leaf, ast.Name) and not isinstance(names.get(leaf.id), ast.ClassDef):
                         names[leaf.id] = node
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:

@@ -87,14 +87,12 @@ def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: s
     log = tmp_path_factory.mktemp("mfd_server") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
-    env.pop("MFD_SGLANG_SWITCH_THRESHOLD", None)
-    if threshold is not None:
-        env["MFD_SGLANG_SWITCH_THRESHOLD"] = str(threshold)
+    threshold_flag = () if threshold is None else ("--mfd-switch-threshold", str(threshold))
     cmd = launch_command(tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter, budget=budget,
                          dtype="float32", extra_args=[
                              "--max-total-tokens", "4096", "--context-length", "1024",
                              *(("--max-running-requests", str(max_running)) if max_running else ()),
-                             "--log-level", log_level, *extra_args])
+                             "--log-level", log_level, *threshold_flag, *extra_args])
     return start(cmd, log, port=port, env=env)
 
 
@@ -173,20 +171,20 @@ RESOLVE = """
 import json, os, sys
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
+from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
-import mfd_sglang.plugin
 
-mfd_sglang.plugin.register()
+load_plugins()  # the plugin's entry point, then its hooks (MFD's flags on SGLang's parser)
 pair, results = sys.argv[1], []
 for extra, env in json.loads(sys.argv[2]):
     os.environ.update(env)
-    args = prepare_server_args(["--model-path", pair + "/target", "--device", "cpu", "--attention-backend", "mfd_cpu",
-                                "--speculative-algorithm", "MFD", "--speculative-draft-model-path", pair + "/drafter",
-                                *extra])
     try:
+        args = prepare_server_args(["--model-path", pair + "/target", "--device", "cpu", "--attention-backend",
+                                    "mfd_cpu", "--speculative-algorithm", "MFD", "--speculative-draft-model-path",
+                                    pair + "/drafter", *extra])
         run_resolution_pipeline(args)
         results.append({"dp_size": resolution_result(args, "dp_size"),
-                        "attn_dp_size": resolution_result(args, "attn_dp_size")})
+                        "attn_dp_size": resolution_result(args, "attn_dp_size"), "mfd_options": args.mfd_options})
     except ValueError as e:
         results.append({"error": str(e)})
     for name in env:
@@ -195,13 +193,14 @@ print(json.dumps(results))
 """
 
 
-def resolve(tiny_pair, *argvs: list[str], env: dict | None = None) -> list[dict]:
+def resolve(tiny_pair, *argvs: list[str], env: dict | None = None, with_log: bool = False):
     """SGLang 0.5.23's own CLI parsing and resolution pipeline (where MFD's `validate_server_args` runs)
     of an MFD launch of the tiny pair with each extra argument list (a later flag overrides the launch's:
     e.g. another --speculative-draft-model-path), under the environment variables `env`: the resolved
-    layout, or the refusal's message."""
+    layout and the MFD flags given (`mfd_options`), or the refusal's message; with_log: (those, the warnings logged, all cases together)."""
     cases = [(argv, env or {}) for argv in argvs]
     out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(cases)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.splitlines()[-1])
+    results = json.loads(out.stdout.splitlines()[-1])
+    return (results, out.stderr) if with_log else results

@@ -249,12 +249,12 @@ def test_round_clock_times_consecutive_decode_rounds_only(monkeypatch):
 
 
 def test_the_option_is_checked():
-    assert read_options({"MFD_SGLANG_AUTO_BUDGET": "1"}).auto_budget
-    assert not read_options({}).auto_budget
+    assert read_options(environ={"MFD_SGLANG_AUTO_BUDGET": "1"}).auto_budget
+    assert not read_options(environ={}).auto_budget
     with pytest.raises(ValueError, match="MFD_SGLANG_AUTO_BUDGET='yes'"):
-        read_options({"MFD_SGLANG_AUTO_BUDGET": "yes"})
-    with pytest.raises(ValueError, match="unset MFD_SGLANG_SWITCH_THRESHOLD=2"):
-        read_options({"MFD_SGLANG_AUTO_BUDGET": "1", "MFD_SGLANG_SWITCH_THRESHOLD": "2"})
+        read_options(environ={"MFD_SGLANG_AUTO_BUDGET": "yes"})
+    with pytest.raises(ValueError, match="drop MFD_SGLANG_SWITCH_THRESHOLD=2"):
+        read_options(environ={"MFD_SGLANG_AUTO_BUDGET": "1", "MFD_SGLANG_SWITCH_THRESHOLD": "2"})
 
 
 # --- a real server ---------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def auto_server(tiny_pair, tmp_path_factory):
     """MFD_D with the automatic budget, at most B = 16, INFO log; no --max-running-requests, as the README
     launches it (MFD resolves 48 at launch: every scheduler process must read that, not the unset flag)."""
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=None,
-                       log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1", **plugin_env("round_trace")})
+                       log_level="info", extra_args=("--mfd-auto-budget",), extra_env=plugin_env("round_trace"))
     yield from served_without_leaks(srv)
 
 
@@ -307,7 +307,7 @@ def mismatched_server(tiny_pair, tmp_path_factory):
     drafter = tmp_path_factory.mktemp("mismatched") / "drafter"
     save_drafter(drafter, json.loads((tiny_pair / "drafter" / "config.json").read_text()), weights)
     srv = start_server(tmp_path_factory, tiny_pair, drafter, "MFD_D", 16, max_running=6,
-                       log_level="info", extra_env={"MFD_SGLANG_AUTO_BUDGET": "1", **plugin_env("round_trace")})
+                       log_level="info", extra_args=("--mfd-auto-budget",), extra_env=plugin_env("round_trace"))
     srv.drafter = drafter
     yield from served_without_leaks(srv)
 

@@ -99,3 +99,19 @@ def test_help_explains_every_command():
         assert command in proc.stdout
     proc = run_cli("generate", "--help")
     assert "--budget" in proc.stdout and "--single-mode" in proc.stdout
+
+
+def test_every_option_of_every_command_has_a_help_text():
+    import argparse
+
+    from mfd_sglang.cli import build_parser
+
+    def silent(parser: argparse.ArgumentParser, path: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from silent(sub, f"{path} {name}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                yield f"{path}: {'/'.join(action.option_strings) or action.dest}"
+
+    assert list(silent(build_parser(), "python -m mfd_sglang")) == []

@@ -103,30 +103,40 @@ def test_the_static_resolution_finds_every_target_and_names_a_lost_one(live_hook
         assert len(lost) == 1 and lost[0].startswith(target + ": "), (target, file, lost)
 
 
-@pytest.mark.parametrize("algorithm", ["MFD", "mfd_d", "unreadable", None, "EAGLE", "DFLASH"])
-def test_a_hook_that_did_not_apply_stops_mfd_only(algorithm):
-    """A scheduler-like process: load_plugins(), then publish(server_args). With a hook whose target does not
-    exist, SGLang logs the failure and carries on; the plugin's check raises at publish, naming the hook, when
-    the process serves MFD / MFD_D or its arguments cannot be read; any other server gets a warning naming it
-    and goes on (here into SGLang's publish, which the stand-in arguments then fail)."""
-    args = "None" if algorithm == "unreadable" else f"SimpleNamespace(speculative_algorithm={algorithm!r})"
+ALGORITHMS = {"MFD": True, "mfd_d": True, "unreadable": True, None: False, "EAGLE": False, "DFLASH": False}
+
+
+def test_a_hook_that_did_not_apply_stops_mfd_only():
+    """A scheduler-like process: load_plugins(), then publish(server_args) per algorithm. With a hook whose target
+    does not exist, SGLang logs the failure and carries on; the plugin's check raises at publish, naming the hook,
+    when the process serves MFD / MFD_D or its arguments cannot be read; any other server gets a warning naming
+    it and goes on (here into SGLang's publish, which the stand-in arguments then fail)."""
     proc = run_python(CPU_PROCESS + REGISTER_BOGUS + f"""
+import sys
 from types import SimpleNamespace
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.runtime_context import publish
-try:
-    publish({args}, role="detokenizer")
-except Exception as e:
-    print("RAISED", type(e).__name__, e)
+for algorithm in {list(ALGORITHMS)!r}:
+    print("CASE", algorithm, file=sys.stderr, flush=True)
+    args = None if algorithm == "unreadable" else SimpleNamespace(speculative_algorithm=algorithm)
+    try:
+        publish(args, role="detokenizer")
+        print("CASE", algorithm, "PUBLISHED")
+    except Exception as e:
+        print("CASE", algorithm, "RAISED", type(e).__name__, e)
 """)
     assert f"{HOOK_FAILURE} to {BOGUS}" in proc.stderr, proc.stderr[-4000:]  # what the server fixtures look for
-    raised = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RAISED ")), "")
-    refused = raised.startswith("RAISED HooksNotInstalled") and f"{BOGUS} (__main__.never_applied)" in raised
-    assert refused == (algorithm in ("MFD", "mfd_d", "unreadable")), (proc.stdout + proc.stderr)[-4000:]
-    if not refused:
-        assert f"hooks not installed in this process: {BOGUS} (__main__.never_applied)" in proc.stderr
-        assert f"This server (--speculative-algorithm {algorithm}) does not run MFD and starts" in proc.stderr
+    outcomes = {ln.split()[1]: ln for ln in proc.stdout.splitlines() if ln.startswith("CASE ")}
+    logs = dict(part.split("\n", 1) for part in proc.stderr.split("CASE ")[1:])
+    for algorithm, refuses in ALGORITHMS.items():
+        outcome = outcomes.get(str(algorithm), "")
+        refused = "RAISED HooksNotInstalled" in outcome and f"{BOGUS} (__main__.never_applied)" in outcome
+        assert refused == refuses, (algorithm, outcome, (proc.stdout + proc.stderr)[-4000:])
+        if not refuses:
+            log = logs[str(algorithm)]
+            assert f"hooks not installed in this process: {BOGUS} (__main__.never_applied)" in log, (algorithm, log)
+            assert f"This server (--speculative-algorithm {algorithm}) does not run MFD and starts" in log, log
 
 
 def test_the_launcher_stops_when_a_hook_did_not_apply(tiny_pair, tmp_path):

@@ -112,7 +112,8 @@ def test_the_automatic_budget_drafts_every_mode_subset_as_the_reference_rounds(a
 def test_mode_subsets_are_refused_without_a_gate_or_the_automatic_budget(tiny_pair, gated_drafter):
     gated = ["--speculative-draft-model-path", str(gated_drafter)]
     [no_auto] = resolve(tiny_pair, gated, env={"MFD_SGLANG_MODE_SUBSETS": "1"})
-    assert "needs MFD_SGLANG_AUTO_BUDGET=1. Unset it." in no_auto.get("error", ""), no_auto
+    assert "MFD_SGLANG_MODE_SUBSETS=1: the automatic budget" in no_auto.get("error", "") and \
+        "needs --mfd-auto-budget. Drop it." in no_auto.get("error", ""), no_auto
     [ok] = resolve(tiny_pair, gated, env={"MFD_SGLANG_MODE_SUBSETS": "1", "MFD_SGLANG_AUTO_BUDGET": "1"})
     assert "error" not in ok, ok
     [ungated] = resolve(tiny_pair, [], env={"MFD_SGLANG_MODE_SUBSETS": "1", "MFD_SGLANG_AUTO_BUDGET": "1"})

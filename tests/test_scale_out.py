@@ -46,9 +46,9 @@ def test_attention_dp_without_dp_lm_head_is_refused_and_replicas_and_pd_pass(tin
     for refused in (old, new, alias):
         assert "--attn-dp-size 2 (attention data parallelism" in refused.get("error", ""), refused
         assert "needs --enable-dp-lm-head" in refused["error"], refused
-    assert replicas == {"dp_size": 2, "attn_dp_size": 1}
-    assert replicated_tp == {"dp_size": 2, "attn_dp_size": 1}
-    assert prefill == decode == pd_tp == {"dp_size": 1, "attn_dp_size": 1}  # PD: tests/test_pd_disaggregation.py
+    assert replicas == {"dp_size": 2, "attn_dp_size": 1, "mfd_options": {}}
+    assert replicated_tp == {"dp_size": 2, "attn_dp_size": 1, "mfd_options": {}}
+    assert prefill == decode == pd_tp == {"dp_size": 1, "attn_dp_size": 1, "mfd_options": {}}  # PD: tests/test_pd_disaggregation.py
 
 
 def test_pd_under_attention_dp_is_refused_on_either_server(tiny_pair):
@@ -63,7 +63,7 @@ def test_attention_dp_with_dp_lm_head_passes_in_either_spelling_and_its_limits_a
     attention_dp = ["--tp-size", "2", "--attn-dp-size", "2", "--enable-dp-lm-head"]
     new, old = resolve(tiny_pair, attention_dp, ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
                                                  "--enable-dp-lm-head"])
-    assert new == old == {"dp_size": 1, "attn_dp_size": 2}
+    assert new == old == {"dp_size": 1, "attn_dp_size": 2, "mfd_options": {}}
     [coordinated] = resolve(tiny_pair, attention_dp, env={"SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION": "1"})
     assert "with SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION set" in coordinated.get("error", ""), coordinated
     [auto] = resolve(tiny_pair, attention_dp, env={"MFD_SGLANG_AUTO_BUDGET": "1"})

@@ -19,22 +19,23 @@ from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.serving.options import budget_from_num_draft_tokens, default_num_draft_tokens, read_options
 from mfd_sglang.patches.request_checks import unsupported_request_features
+from servers import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_options_defaults_and_errors():
-    assert read_options({}).switch_threshold == 3 and read_options({}).num_modes is None
-    opts = read_options({"MFD_SGLANG_SWITCH_THRESHOLD": "5", "MFD_SGLANG_NUM_MODES": "2"})
+    assert read_options(environ={}).switch_threshold == 3 and read_options(environ={}).num_modes is None
+    opts = read_options(environ={"MFD_SGLANG_SWITCH_THRESHOLD": "5", "MFD_SGLANG_NUM_MODES": "2"})
     assert (opts.switch_threshold, opts.num_modes) == (5, 2)
     with pytest.raises(ValueError, match="MFD_SGLANG_SWITCH_THRESHOLD='zero' is not a positive integer"):
-        read_options({"MFD_SGLANG_SWITCH_THRESHOLD": "zero"})
+        read_options(environ={"MFD_SGLANG_SWITCH_THRESHOLD": "zero"})
     with pytest.raises(ValueError, match="MFD_SGLANG_NUM_MODES='0'"):
-        read_options({"MFD_SGLANG_NUM_MODES": "0"})
-    assert read_options({}).mode_subsets is None  # offered where they can be
-    assert [read_options({"MFD_SGLANG_MODE_SUBSETS": v}).mode_subsets for v in ("0", "1")] == [False, True]
+        read_options(environ={"MFD_SGLANG_NUM_MODES": "0"})
+    assert read_options(environ={}).mode_subsets is None  # offered where they can be
+    assert [read_options(environ={"MFD_SGLANG_MODE_SUBSETS": v}).mode_subsets for v in ("0", "1")] == [False, True]
     with pytest.raises(ValueError, match="MFD_SGLANG_MODE_SUBSETS='yes': set it to 1"):
-        read_options({"MFD_SGLANG_MODE_SUBSETS": "yes"})
+        read_options(environ={"MFD_SGLANG_MODE_SUBSETS": "yes"})
     assert budget_from_num_draft_tokens(65) == 64
     with pytest.raises(ValueError, match="tree budget of 0 nodes"):
         budget_from_num_draft_tokens(1)
@@ -74,6 +75,55 @@ def test_validate_server_args(tiny_pair, changes, message):
     else:
         with pytest.raises(ValueError, match=message.replace("-", r"\-")):
             validate_server_args(args)
+
+
+def test_the_launch_says_what_it_changes_and_refuses_8_bit_kv_caches(tiny_pair):
+    """On SGLang's real argument parsing and resolution: every flag MFD sets or overrides is a warning naming it
+    (as SGLang's DFLASH warns for the same ones); an 8-bit target or draft KV cache dtype is refused naming the
+    flag (the drafter's context pool would not be in it); a bf16 one is served."""
+    [plain], defaults = resolve(tiny_pair, [], with_log=True)
+    assert "error" not in plain, plain
+    assert "speculative_num_draft_tokens is not set; defaulting to 17 for MFD" in defaults, defaults[-3000:]
+    assert "Max running requests is reset to 48" in defaults, defaults[-3000:]
+    assert "overriding" not in defaults, defaults[-3000:]
+    [overridden], log = resolve(tiny_pair, ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                                            "--enable-mixed-chunk", "--max-running-requests", "8",
+                                            "--speculative-num-draft-tokens", "9"], with_log=True)
+    assert "error" not in overridden, overridden
+    for said in ("overriding speculative_num_steps=3 to 1", "overriding speculative_eagle_topk=4 to 1",
+                 "overriding --enable-mixed-chunk to off"):
+        assert said in log, (said, log[-3000:])
+    assert "Max running requests is reset" not in log and "is not set; defaulting" not in log, log[-3000:]
+    target, draft, bf16 = resolve(tiny_pair, ["--kv-cache-dtype", "fp8_e4m3"],
+                                  ["--speculative-draft-kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "bf16"])
+    assert "--kv-cache-dtype fp8_e4m3: MFD keeps the drafter's context in the model dtype" in target.get("error", "")
+    assert "--speculative-draft-kv-cache-dtype fp8_e5m2: MFD keeps" in draft.get("error", ""), draft
+    assert "error" not in bf16, bf16
+
+
+def test_mfd_options_are_sglang_flags(tiny_pair, tmp_path):
+    """MFD's options are flags of SGLang's own parser: listed in `python -m sglang.launch_server --help` under
+    their group, set from a --config YAML as from the command line, checked at launch with messages naming
+    the flag, and refused on a server that does not run MFD (a real CPU server reads them: the automatic-budget
+    and MFD_D server tests pass them as flags)."""
+    help_text = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
+                               text=True, timeout=300, cwd=tmp_path).stdout
+    assert "MFD speculative decoding (mfd_sglang plugin" in help_text, help_text[-2000:]
+    for flag in ("--mfd-switch-threshold", "--mfd-num-modes", "--mfd-auto-budget", "--mfd-mode-subsets"):
+        assert flag in help_text, flag
+    config = tmp_path / "mfd.yaml"
+    config.write_text("mfd-num-modes: 2\nmfd-switch-threshold: 5\nmfd-mode-subsets: off\n")
+    yaml, flags, too_many, both, plain = resolve(
+        tiny_pair, ["--config", str(config)],
+        ["--mfd-num-modes", "2", "--mfd-switch-threshold", "5", "--mfd-mode-subsets", "off"],
+        ["--mfd-num-modes", "9"], ["--mfd-auto-budget", "--mfd-switch-threshold", "2"],
+        ["--speculative-algorithm", "EAGLE", "--mfd-auto-budget"])
+    assert yaml == flags and flags["mfd_options"] == {"num_modes": 2, "switch_threshold": 5, "mode_subsets": False}
+    assert "--mfd-num-modes 9 but the drafter at" in too_many.get("error", ""), too_many
+    assert "--mfd-auto-budget chooses MFD_D's drafting path itself; drop --mfd-switch-threshold 2" in \
+        both.get("error", ""), both
+    assert "--mfd-auto-budget: MFD options, for --speculative-algorithm MFD or MFD_D only (this server runs " \
+           "EAGLE)" in plain.get("error", ""), plain
 
 
 def test_validate_server_args_rejects_more_modes_than_the_drafter_has(tiny_pair, monkeypatch):
@@ -457,7 +507,7 @@ def test_verify_graphs_by_width_capture_each_width_and_activate_it(tiny_pair):
     assert out["active_9"] == ["launch backend", "launch graphs"]
     assert out["failed"] == ["capture failed", 9, False]
     assert out["oom"].startswith("MFD automatic budget: out of device memory capturing the tree-verify graphs of "
-                                 "a 1-token window") and "MFD_SGLANG_AUTO_BUDGET unset" in out["oom"]
+                                 "a 1-token window") and "without --mfd-auto-budget" in out["oom"]
 
 
 DRAFT_STAGE_BUDGET = 12

@@ -215,13 +215,19 @@ def test_train_cli_regenerates_tiny_data_and_explains_itself(tiny_pair, tmp_path
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     help_text = capsys.readouterr().out
-    for option in ("--regenerate-sets", "--num-modes", "--init-from", "--resume", "--draft-vocab-size", "SmolLM2"):
+    for option in ("--regenerate-sets", "--num-modes", "--init-from", "--resume", "--draft-vocab-size", "--device",
+                   "SmolLM2"):
         assert option in help_text
     out = tmp_path / "cli"
     args = ["train", "--target", str(tiny_pair / "target"), "--out", str(out), "--regenerate-sets", "tiny",
             "--limit", "10", "--max-new-tokens", "16", "--steps", "2", "--block-size", "8", "--anchors", "4",
             "--quiet"]
+    if not torch.cuda.is_available():  # refused before any work, naming the flag
+        assert main(args + ["--device", "cuda"]) == 2 and "--device cuda: PyTorch sees no CUDA device" in \
+            capsys.readouterr().err and not out.exists()
     assert main(args) == 0
+    settings = json.loads((out / "train_state" / "settings.json").read_text())
+    assert settings["device"] == ("cuda" if torch.cuda.is_available() else "cpu"), settings  # the default
     assert len(read_records(out / "train_state" / "data.jsonl")) == 10
     assert main(args) == 2  # the state exists: --resume or a new --out
     assert main(args + ["--resume"]) == 0  # nothing left to do, nothing regenerated

@@ -272,10 +272,13 @@ class TrainConfig:
     mode_gate: bool = False  # also train the mode gate (K > 1): the tree's per-request mode weights
     gate_steps: int = 0  # then this many gate-only steps, the body frozen (needs mode_gate)
     gate_lr: float | None = None  # the gate-only steps' peak learning rate (cosine, no warm-up); None: GATE_LR
+    device: str = "cpu"  # where the target and the drafter run ("cuda", "cuda:1", ...)
     # Settings that may change between a run and its --resume without changing what is computed.
     RESUMABLE_CHANGES = ("out", "data", "save_every")
     # Added later: left out of the fingerprint without gate-only steps, so runs saved before them resume.
     GATE_PHASE = ("gate_steps", "gate_lr")
+    # Added later: left out of the fingerprint on the CPU, so runs saved before it resume.
+    DEVICE = ("device",)
 
 
 @dataclass
@@ -450,7 +453,8 @@ def _fingerprint(cfg: TrainConfig, sequences) -> dict:
     digest = hashlib.sha256()
     for ids, prompt_len in sequences:
         digest.update(json.dumps([prompt_len, ids]).encode())
-    left_out = TrainConfig.RESUMABLE_CHANGES + (() if cfg.gate_steps else TrainConfig.GATE_PHASE)
+    left_out = (TrainConfig.RESUMABLE_CHANGES + (() if cfg.gate_steps else TrainConfig.GATE_PHASE)
+                + (TrainConfig.DEVICE if cfg.device == "cpu" else ()))
     settings = {k: v for k, v in asdict(cfg).items() if k not in left_out}
     return {"settings": settings, "data_sha256": digest.hexdigest(), "sequences": len(sequences)}
 
@@ -514,7 +518,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     generator = torch.Generator().manual_seed(cfg.seed)
     dtype = DTYPES[cfg.dtype]
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.target))
-    target = load_target(cfg.target, dtype=dtype)
+    device = torch.device(cfg.device)
+    target = load_target(cfg.target, dtype=dtype, device=device)
     target.requires_grad_(False)
     # Frozen: the target's embeddings and lm_head are used as they are and never trained.
     embed = target.get_input_embeddings().weight.detach()
@@ -522,6 +527,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sequences = load_sequences(cfg.data, cfg.max_seq_len)
     drafter, raw = init_drafter(cfg, target, tokenizer, sequences, generator)
+    drafter.to(device)  # made on the CPU from the CPU generator: the same start on any device
     block_size = drafter.cfg.block_size
     fingerprint = _fingerprint(cfg, sequences)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -535,7 +541,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
 
     step = 0
     if resume and state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=device)
         if state["fingerprint"] != fingerprint:
             old, new = state["fingerprint"], fingerprint
             diff = {k: (old["settings"].get(k), v) for k, v in new["settings"].items() if old["settings"].get(k) != v}
@@ -543,11 +549,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                 diff["data"] = (f"{old['sequences']} sequences", f"{new['sequences']} sequences (other contents)")
             raise ValueError(f"--resume: this run differs from the saved one in {diff} (saved, now)")
         if state.get("draft_vocab") is not None:
-            drafter.draft_vocab = state["draft_vocab"]
+            drafter.draft_vocab = state["draft_vocab"].to(device)
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
+        generator.set_state(state["generator"].cpu())
+        torch.set_rng_state(state["torch_rng"].cpu())
         step = state["step"]
         log(f"[train] resumed at step {step} from {state_path}")
     elif resume:
@@ -557,7 +563,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     (state_dir / "settings.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
 
     def save(at_step: int, pending_log: list[dict]) -> None:
-        save_drafter(out, raw, drafter.checkpoint_weights())
+        save_drafter(out, raw, {name: w.cpu() for name, w in drafter.checkpoint_weights().items()})
         _save_state(state_dir, {
             "step": at_step, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
             "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
@@ -573,7 +579,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     losses: list[float] = []
     wins_total = torch.zeros(drafter.cfg.num_modes, dtype=torch.long)
     pending: list[dict] = []
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="step")
@@ -588,6 +594,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             rows = torch.randint(0, len(sequences), (cfg.batch_size,), generator=generator).tolist()
             tokens, lengths, prompt_lengths, width = _batch(sequences, rows, block_size, pad_id)
             anchors = sample_response_anchors(generator, prompt_lengths, lengths, cfg.anchors)
+            tokens, lengths, anchors = tokens.to(device), lengths.to(device), anchors.to(device)
             with torch.no_grad():  # one target forward per training sequence (right padding: causal, no mask)
                 hidden_states = target(tokens[:, :width], output_hidden_states=True).hidden_states
                 features = context_features(hidden_states, drafter.cfg.target_layer_ids)

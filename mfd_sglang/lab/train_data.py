@@ -122,7 +122,8 @@ def greedy_batch(target, prompts: list[list[int]], max_new_tokens: int, pad_id: 
 
 def regenerate(target_dir: str | Path, out_path: str | Path, prompts: list[TrainPrompt], *,
                max_new_tokens: int = 256, batch_size: int = 8, chat_template: bool = True,
-               dtype: torch.dtype = torch.float32, progress: bool = True, target=None, tokenizer=None) -> int:
+               dtype: torch.dtype = torch.float32, progress: bool = True, target=None, tokenizer=None,
+               device: str = "cpu") -> int:
     """Append the target's greedy answers to `prompts` to the JSONL `out_path`; returns how many were added.
 
     Prompts whose (set, id) is already in the file are skipped, so an interrupted call is resumed by
@@ -147,7 +148,7 @@ def regenerate(target_dir: str | Path, out_path: str | Path, prompts: list[Train
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     if target is None:
-        target = load_target(target_dir, dtype=dtype)
+        target = load_target(target_dir, dtype=dtype, device=device)
     eos = eos_ids(tokenizer, target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     encoded = [(p, encode_prompt(tokenizer, p.text, chat_template)) for p in todo]

@@ -18,7 +18,7 @@ The round (``worker``: ``MFDWorkerV2``, SGLang's spec-V2 worker, calls the stage
 - ``commit``: the commit stage (accepted path's target KV and drafter context), shared with benchmarks;
 - ``outputs``: logprobs and sampling masks of the emitted tokens (``sampling_mask``: the law's support).
 
-The automatic budget (MFD_SGLANG_AUTO_BUDGET=1):
+The automatic budget (--mfd-auto-budget):
 - ``budget``: the rule (arms, acceptance and cost per arm, the choice);
 - ``auto_budget``: what the worker talks to (the chooser, round clock, acceptance on its way to the host,
   verify graphs per window, start-up ``calibration``).

@@ -1,4 +1,4 @@
-"""The automatic budget in a serving worker (MFD_SGLANG_AUTO_BUDGET=1): what the rule in `budget` needs
+"""The automatic budget in a serving worker (--mfd-auto-budget): what the rule in `budget` needs
 from the server, owned in one place.
 
 `AutoBudget` holds the chooser (`budget.BudgetChooser`: the rule), the round clock, the acceptance of

@@ -1,4 +1,4 @@
-"""The automatic tree budget (MFD_SGLANG_AUTO_BUDGET=1): for each decode batch, the drafting path and
+"""The automatic tree budget (--mfd-auto-budget): for each decode batch, the drafting path and
 budget that commit the most tokens per second, from acceptance and cost measured while serving and
 costs calibrated at start-up.
 
@@ -70,7 +70,7 @@ SINGLE_MODE = Path(single_mode=True)
 def mode_paths(num_modes: int, *, gated: bool, mode_subsets: bool, single_mode_path: bool,
                gated_modes: int | None = None) -> tuple[Path, ...]:
     """The paths the automatic budget chooses from: the K-mode draft, of the drafter's num_modes modes or
-    with a mode gate of each request's gated_modes best (MFD_SGLANG_NUM_MODES); with a gate and
+    with a mode gate of each request's gated_modes best (--mfd-num-modes); with a gate and
     mode_subsets, also each request's K/2 and 1 best (a K'-mode draft costs about K'/K of K's, plus the
     gate's root-only pass, and at the small budgets a large batch affords keeps most of K's acceptance:
     README, "Fewer modes per request"); MFD_D's single-mode path."""

@@ -40,9 +40,19 @@ def resolve_server_args(server_args) -> None:
 
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = default_num_draft_tokens(server_args.device)
-    # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1.
-    server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = 1
+        logger.warning("speculative_num_draft_tokens is not set; defaulting to %d for MFD (a tree of %d draft "
+                       "tokens plus the root).", server_args.speculative_num_draft_tokens,
+                       server_args.speculative_num_draft_tokens - 1)
+    # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1 (saying so
+    # when they were set otherwise, as SGLang's DFLASH does).
+    for field in ("speculative_num_steps", "speculative_eagle_topk"):
+        value = getattr(server_args, field)
+        if value is not None and int(value) != 1:
+            logger.warning("MFD only supports %s == 1; overriding %s=%s to 1.", field, field, value)
+        setattr(server_args, field, 1)
+    if server_args.enable_mixed_chunk:
+        logger.warning("MFD verifies its trees in decode rounds of their own; overriding --enable-mixed-chunk "
+                       "to off.")
     server_args.enable_mixed_chunk = False
     disable_splitkv_verify()
     # Overlap scheduling follows SGLang's flag on every device. SGLang turns it off for its own
@@ -50,6 +60,8 @@ def resolve_server_args(server_args) -> None:
     # inputs kept alive), so a CPU server runs the same scheduler flow as a GPU one by default.
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 48
+        logger.warning("Max running requests is reset to 48 for speculative decoding. You can override this by "
+                       "explicitly setting --max-running-requests.")
     resolve_attention_backend(server_args)
     plan_launch_memory(server_args)
 
@@ -151,6 +163,14 @@ def unsupported_configuration(server_args) -> list[str]:
                         "(drop the flag)")
     if getattr(server_args, "speculative_adaptive", False):
         problems.append("--speculative-adaptive is not supported")
+    # The drafter's context pool is kept in the model dtype, while SGLang would plan its memory (and a DFlash
+    # draft pool) in the 8- or 4-bit dtype these ask for: refused until the pool can hold it.
+    for flag, field in (("--kv-cache-dtype", "kv_cache_dtype"),
+                        ("--speculative-draft-kv-cache-dtype", "speculative_draft_kv_cache_dtype")):
+        value = str(getattr(server_args, field, None) or "auto")
+        if value not in ("auto", "bf16", "bfloat16"):
+            problems.append(f"{flag} {value}: MFD keeps the drafter's context in the model dtype, not {value} "
+                            f"(drop the flag or pass {flag} auto)")
     return problems
 
 
@@ -170,10 +190,10 @@ def validate_server_args(server_args) -> None:
                              revision=getattr(server_args, "revision", None))
     if refusal:
         raise ValueError(refusal)
-    options = read_options()
+    options = read_options(server_args)
     if options.auto_budget and int(server_args.tp_size or 1) > 1:
         # Each rank would choose from its own round times: the ranks could verify different trees.
-        raise ValueError(f"MFD_SGLANG_AUTO_BUDGET=1 with --tp-size {server_args.tp_size}: the automatic "
+        raise ValueError(f"{options.spelled['auto_budget']} with --tp-size {server_args.tp_size}: the automatic "
                          "budget runs with one rank only for now; use a fixed budget "
                          "(--speculative-num-draft-tokens) under tensor parallelism.")
     if server_args.speculative_num_draft_tokens is not None:
@@ -190,14 +210,14 @@ def validate_server_args(server_args) -> None:
         raise ValueError(f"--speculative-draft-model-path {path} does not fit --model-path "
                          f"{server_args.model_path}: {e}") from None
     if options.num_modes is not None and options.num_modes > ckpt.config.num_modes:
-        raise ValueError(f"MFD_SGLANG_NUM_MODES={options.num_modes} but the drafter at {path} has "
-                         f"{ckpt.config.num_modes} mode(s); set at most {ckpt.config.num_modes} or unset it.")
+        raise ValueError(f"{options.spelled['num_modes']} but the drafter at {path} has "
+                         f"{ckpt.config.num_modes} mode(s); set at most {ckpt.config.num_modes} or drop it.")
     if options.mode_subsets and not (options.auto_budget and ckpt.config.mode_prior == "gate"):
-        lacking = " and ".join(([] if options.auto_budget else ["MFD_SGLANG_AUTO_BUDGET=1"]) +
+        lacking = " and ".join(([] if options.auto_budget else ["--mfd-auto-budget"]) +
                                ([] if ckpt.config.mode_prior == "gate" else [f"a drafter with a mode gate (the one "
                                                                                f"at {path} weighs its modes uniformly)"]))
-        raise ValueError(f"MFD_SGLANG_MODE_SUBSETS=1: the automatic budget chooses per request modes by the "
-                         f"drafter's mode gate; it needs {lacking}. Unset it.")
+        raise ValueError(f"{options.spelled['mode_subsets']}: the automatic budget chooses per request modes by "
+                         f"the drafter's mode gate; it needs {lacking}. Drop it.")
 
 
 def check_drafter_path(algo: str, path) -> None:

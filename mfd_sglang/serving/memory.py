@@ -263,7 +263,7 @@ def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embe
                         num_modes: int | None, verify_graphs: bool) -> MemoryPlan:
     """The plan of the drafter checkpoint `ckpt` served by `server_args` with tree budget B over a target
     vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_graphs: the automatic
-    budget's extra tree-verify graphs are captured (a GPU server with MFD_SGLANG_AUTO_BUDGET=1)."""
+    budget's extra tree-verify graphs are captured (a GPU server with --mfd-auto-budget)."""
     from .launch import attention_dp_size
     from .options import draft_quantization
 
@@ -288,7 +288,7 @@ def plan_launch_memory(server_args) -> None:
 
     from .options import budget_from_num_draft_tokens, read_options
 
-    options = read_options()
+    options = read_options(server_args)
     target = target_text_config(server_args.model_path)
     plan = drafter_memory_plan(server_args, load_drafter(server_args.speculative_draft_model_path),
                                budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),

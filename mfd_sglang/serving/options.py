@@ -1,7 +1,31 @@
-"""Plugin options that SGLang 0.5.23 has no flag for, and the SGLang flags MFD reads.
+"""MFD's own launch options, and the SGLang flags MFD reads.
 
-SGLang's ServerArgs is a fixed struct, so MFD's own options travel as environment variables, which the
-spawned scheduler processes inherit. Where SGLang has a flag, MFD uses it:
+SGLang 0.5.23 has no plugin-argument API, but it loads plugins before it parses arguments. MFD's options
+are flags of SGLang's own parser (`patches/mfd_flags.py` adds them to `ServerArgs.add_cli_args` as the
+group "MFD speculative decoding", so `python -m sglang.launch_server --help` lists them and a `--config`
+YAML may set them), and `ServerArgs.from_cli_args`'s result carries what was given as `mfd_options`, a
+plain dict that rides along to every scheduler process (TP, DP, PD) with the record, as SGLang's
+`_launch_command` does. A flag on a server that does not run MFD / MFD_D is refused at parsing.
+
+    --mfd-switch-threshold N            MFD_D drafts with its single-mode path while at least this
+                                        many requests run in a decode batch, and with all K modes
+                                        below it (default 3).
+    --mfd-num-modes K'                  draft K' modes only (default: all): each request's K' best
+                                        under the drafter's mode gate, or without a gate the
+                                        drafter's first K'.
+    --mfd-auto-budget                   pick the budget (0: plain decoding, up to B) and, for MFD_D,
+                                        the drafting path per decode batch from acceptance and round
+                                        times measured while serving, costs calibrated at start-up
+                                        (`budget`, `calibration`); B from --speculative-num-draft-tokens
+                                        is then the largest. Not with --mfd-switch-threshold.
+    --mfd-mode-subsets {on,off}         with the automatic budget and a drafter with a mode gate, offer
+                                        (default) or not the paths that draft each request's K/2 and 1
+                                        best modes beside all K (`budget.mode_paths`); on: refused at
+                                        launch without both.
+
+Deprecated, for one release: the environment variables MFD_SGLANG_SWITCH_THRESHOLD=N, MFD_SGLANG_NUM_MODES=K',
+MFD_SGLANG_AUTO_BUDGET=1 and MFD_SGLANG_MODE_SUBSETS=0/1 still set the same options where no flag does, with
+a warning. Where SGLang has a flag, MFD uses it:
 
     --speculative-num-draft-tokens N    tokens verified per request and round, root included,
                                         as for EAGLE: the tree budget is B = N - 1.
@@ -11,28 +35,16 @@ spawned scheduler processes inherit. Where SGLang has a flag, MFD uses it:
                                         (`mfd_sglang.fp8`: per-channel weights, dynamic per-token
                                         activations); see `draft_quantization`. Default: SGLang's,
                                         the target's --quantization.
-
-    MFD_SGLANG_SWITCH_THRESHOLD=3       MFD_D drafts with its single-mode path while at least this
-                                        many requests run in a decode batch, and with all K modes
-                                        below it.
-    MFD_SGLANG_NUM_MODES=K'             draft K' modes only (default: all): each request's K' best
-                                        under the drafter's mode gate, or without a gate the
-                                        drafter's first K'.
-    MFD_SGLANG_AUTO_BUDGET=1            pick the budget (0: plain decoding, up to B) and, for MFD_D,
-                                        the drafting path per decode batch from acceptance and round
-                                        times measured while serving, costs calibrated at start-up
-                                        (`budget`, `calibration`); B from the flag above
-                                        is then the largest. Not with MFD_SGLANG_SWITCH_THRESHOLD.
-    MFD_SGLANG_MODE_SUBSETS=0           with the automatic budget and a drafter with a mode gate, do
-                                        not offer the paths that draft each request's K/2 and 1 best
-                                        modes beside all K (`budget.mode_paths`; default: offered).
-                                        1 asks for them: refused at launch without both.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 SWITCH_THRESHOLD_ENV = "MFD_SGLANG_SWITCH_THRESHOLD"
 NUM_MODES_ENV = "MFD_SGLANG_NUM_MODES"
@@ -52,16 +64,74 @@ class MFDOptions:
     num_modes: int | None = None  # None: every mode of the drafter
     auto_budget: bool = False
     mode_subsets: bool | None = None  # None: offered where they can be (a mode gate, the automatic budget)
+    # How each option was given, for messages: its flag, or its environment variable and value.
+    spelled: dict = field(default_factory=dict, compare=False)
 
 
-def _flag(environ, name: str, meaning: str) -> bool | None:
+@dataclass(frozen=True)
+class Option:
+    """One MFD option: its field of MFDOptions, its flag and its deprecated environment variable."""
+
+    field: str
+    flag: str
+    env: str
+
+
+OPTIONS = (Option("switch_threshold", "--mfd-switch-threshold", SWITCH_THRESHOLD_ENV),
+           Option("num_modes", "--mfd-num-modes", NUM_MODES_ENV),
+           Option("auto_budget", "--mfd-auto-budget", AUTO_BUDGET_ENV),
+           Option("mode_subsets", "--mfd-mode-subsets", MODE_SUBSETS_ENV))
+SWITCHES = {"on": True, "off": False, "true": True, "false": False}  # YAML reads on / off as booleans
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _switch(text: str) -> bool:
+    if text.lower() not in SWITCHES:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass on or off")
+    return SWITCHES[text.lower()]
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """MFD's options as a group of SGLang's own argument parser (defaults None: not given)."""
+    group = parser.add_argument_group("MFD speculative decoding (mfd_sglang plugin; --speculative-algorithm "
+                                      "MFD or MFD_D only)")
+    group.add_argument("--mfd-switch-threshold", type=_positive, default=None, metavar="N",
+                       help="MFD_D: draft with the single-mode path from N running requests in a decode batch, "
+                            "with all K modes below (default 3)")
+    group.add_argument("--mfd-num-modes", type=_positive, default=None, metavar="K",
+                       help="draft K modes only: each request's K best under the drafter's mode gate, without a "
+                            "gate its first K (default: all)")
+    group.add_argument("--mfd-auto-budget", action="store_true", default=None,
+                       help="choose the tree budget (0 = plain decoding, up to --speculative-num-draft-tokens - 1) "
+                            "and MFD_D's path per decode batch from measured acceptance and round times")
+    group.add_argument("--mfd-mode-subsets", type=_switch, default=None, metavar="{on,off}",
+                       help="with --mfd-auto-budget and a gated drafter: offer the paths drafting each request's "
+                            "K/2 and 1 best modes (default on where they can be; on: refused without both)")
+
+
+def given_options(namespace: argparse.Namespace) -> dict:
+    """{field: value} of the MFD flags set in a parsed namespace (what `mfd_options` carries)."""
+    values = {o.field: getattr(namespace, o.flag[2:].replace("-", "_"), None) for o in OPTIONS}
+    return {field: value for field, value in values.items() if value is not None}
+
+
+def _env_flag(environ, name: str, meaning: str) -> bool | None:
     raw = environ.get(name, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{name}={raw!r}: set it to 1 ({meaning}) or 0, or unset it.")
     return None if raw == "" else raw == "1"
 
 
-def _positive_int(environ, name: str) -> int | None:
+def _env_positive_int(environ, name: str) -> int | None:
     raw = environ.get(name)
     if raw is None or raw == "":
         return None
@@ -75,19 +145,43 @@ def _positive_int(environ, name: str) -> int | None:
     return value
 
 
-def read_options(environ=None) -> MFDOptions:
-    """The options from the environment; ValueError naming the variable when one is malformed."""
+def _from_environment(env) -> dict:
+    values = {"switch_threshold": _env_positive_int(env, SWITCH_THRESHOLD_ENV),
+              "num_modes": _env_positive_int(env, NUM_MODES_ENV),
+              "auto_budget": _env_flag(env, AUTO_BUDGET_ENV, "automatic budget"),
+              "mode_subsets": _env_flag(env, MODE_SUBSETS_ENV, "paths that draft fewer modes per request")}
+    return {field: value for field, value in values.items() if value is not None}
+
+
+def _spelled_flag(option: Option, value) -> str:
+    if option.field == "auto_budget":
+        return option.flag
+    if option.field == "mode_subsets":
+        return f"{option.flag} {'on' if value else 'off'}"
+    return f"{option.flag} {value}"
+
+
+def read_options(server_args=None, environ=None) -> MFDOptions:
+    """The options given as flags (`server_args.mfd_options`), else by the deprecated environment
+    variables (a warning names each); ValueError naming the flag or variable when they do not fit."""
     env = os.environ if environ is None else environ
-    threshold = _positive_int(env, SWITCH_THRESHOLD_ENV)
-    auto = _flag(env, AUTO_BUDGET_ENV, "automatic budget")
-    if auto and threshold is not None:
-        raise ValueError(f"{AUTO_BUDGET_ENV}=1 chooses MFD_D's drafting path itself; unset "
-                         f"{SWITCH_THRESHOLD_ENV}={env[SWITCH_THRESHOLD_ENV]} (or the automatic budget).")
+    flags = dict(getattr(server_args, "mfd_options", None) or {})
+    from_env = {field: value for field, value in _from_environment(env).items() if field not in flags}
+    for o in OPTIONS:
+        if o.field in from_env:
+            logger.warning("%s is deprecated and goes in the next release: pass %s instead.", o.env, o.flag)
+    values = {**from_env, **flags}
+    spelled = {o.field: _spelled_flag(o, flags[o.field]) if o.field in flags else f"{o.env}={env.get(o.env)}"
+               for o in OPTIONS}
+    if values.get("auto_budget") and values.get("switch_threshold") is not None:
+        raise ValueError(f"{spelled['auto_budget']} chooses MFD_D's drafting path itself; drop "
+                         f"{spelled['switch_threshold']} (or the automatic budget).")
     return MFDOptions(
-        switch_threshold=DEFAULT_SWITCH_THRESHOLD if threshold is None else threshold,
-        num_modes=_positive_int(env, NUM_MODES_ENV),
-        auto_budget=bool(auto),
-        mode_subsets=_flag(env, MODE_SUBSETS_ENV, "paths that draft fewer modes per request"),
+        switch_threshold=values.get("switch_threshold", DEFAULT_SWITCH_THRESHOLD),
+        num_modes=values.get("num_modes"),
+        auto_budget=bool(values.get("auto_budget")),
+        mode_subsets=values.get("mode_subsets"),
+        spelled=spelled,
     )
 
 

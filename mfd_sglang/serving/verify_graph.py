@@ -98,7 +98,7 @@ class VerifyGraphsByWidth:
                     f"MFD automatic budget: out of device memory capturing the tree-verify graphs of a "
                     f"{width}-token window (after windows {sorted(self.states)}); lower "
                     "--mem-fraction-static or --cuda-graph-max-bs, or serve a fixed budget "
-                    "(MFD_SGLANG_AUTO_BUDGET unset)") from exc
+                    "(without --mfd-auto-budget)") from exc
         # The launch plan counted these (`memory.VerifyGraphPlan`); the GPU check holds it to this figure.
         logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request (the "
                     "extra widths took %.0f MiB of device memory)", sorted(self.states),

@@ -95,12 +95,12 @@ class MFDWorkerV2(BaseSpecWorker):
         self.topk = 1
         self.budget = budget_from_num_draft_tokens(self.speculative_num_draft_tokens)
 
-        options = read_options()
+        options = read_options(server_args)
         ckpt = load_drafter(spec.speculative_draft_model_path)
         self.draft_quantization = draft_quantization(server_args)  # "fp8": attention and MLP linears in e4m3
         self.drafting = DraftStage.for_target(ckpt, self.model_runner, fp8_linears=self.draft_quantization == "fp8",
                                               num_modes=options.num_modes)
-        # With a mode gate and MFD_SGLANG_NUM_MODES = K' < K: each request's K' best modes (`Arm.modes`).
+        # With a mode gate and --mfd-num-modes K' < K: each request's K' best modes (`Arm.modes`).
         self.gated_modes = (options.num_modes if self.drafting.gated and options.num_modes is not None
                             and options.num_modes < self.drafting.num_modes else None)
         self.auto_budget = (AutoBudget(self.budget, device=self.device, paths=mode_paths(
