@@ -418,13 +418,11 @@ def compile_kernel(launch: TritonLaunch, arch: int) -> CompiledLaunch:
 # estimate: kernel name -> (what the loops are, launch -> [trips]).
 SERIAL_LOOPS: dict[str, tuple[str, Callable[[TritonLaunch], list[int]]]] = {
     "_merge_select_kernel": (
-        "per depth d < D: the all-pairs key comparison over j0 < M step JT (inner), the depth loop; then the "
-        "selection over T = D * M entries in TILE_G tiles",
-        lambda l: [l.args["D"] * -(-l.args["K"] * l.args["B"] // l.args["JT"]), l.args["D"],
-                   -(-l.args["D"] * l.args["K"] * l.args["B"] // l.args["TILE_G"])]),
-    "_beam_kernel": (
-        "per depth d < D (outer): the slot tiles s0 < B step SLOT_TILE (inner)",
-        lambda l: [l.args["D"] * -(-l.args["B"] // l.args["SLOT_TILE"]), l.args["D"]]),
+        "the depth loop d < D (each a sort of the M entries by prefix); then the selection over T = D * M "
+        "entries in TILE_G tiles",
+        lambda l: [l.args["D"], -(-l.args["D"] * l.args["K"] * l.args["B"] // l.args["TILE_G"])]),
+    "_beam_kernel": ("the depth loop d < D (each two merges of the candidates that can rank)",
+                     lambda l: [l.args["D"]]),
     "_vocab_topk_kernel": ("the vocabulary tiles of one row", lambda l: [-(-l.args["V"] // l.args["TILE_V"])]),
     "_mode_attention_kernel": ("the context tiles of BLOCK_N rows", lambda l: [-(-l.context_len // l.args["BLOCK_N"])]),
     "_vocab_top_kernel": (

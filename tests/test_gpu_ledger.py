@@ -5,6 +5,8 @@
   within the device's per-block limit;
 - each stage of a round at the Qwen3-4B shapes launches at most its bar (`LAUNCH_BARS`): a regression bar
   that fails when, e.g., a per-chunk loop comes back;
+- the tree's two kernels execute at most their bars of warp instructions (`TREE_WARP_INSTRUCTIONS`), the
+  count the issue-bound model charges (bs 1, K = 8, B = 64: ~0.05 ms with the launch floors; goal 0.10);
 - the tracer counts a toy function's kernels exactly (views launch nothing; a matmul is one kernel with its
   FLOPs and bytes), and the fit recovers a known launch floor from synthetic rows.
 """
@@ -15,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from mfd_sglang.gpu_cost import (SHARED_LIMIT, KernelTrace, by_stage, compile_kernel, fit_launch_floor,
-                                 predicted_seconds)
+from mfd_sglang.gpu_cost import (SERIAL_LOOPS, SHARED_LIMIT, KernelTrace, by_stage, compile_kernel,
+                                 fit_launch_floor, predicted_seconds, warp_instructions)
 from mfd_sglang.gpu_ledger import STAGES, Scenario, project_kernels, serving_launches, trace_worker_round
 
 # Kernel launches per stage of one round at the Qwen3-4B shapes (bs 8, B = 64), at most: today's counts
@@ -27,7 +29,11 @@ LAUNCH_BARS = {
     "mfd_d": {"draft": 168, "tree": 2, "layout": 61, "verify_input": 14, "accept": 68, "commit": 72},
 }
 # Bytes of local memory (register spills) that compiles have today, at most; every other compile has none.
-SPILL_BARS = {("_mode_attention_kernel", 80): 568, ("_beam_kernel", 80): 8}
+SPILL_BARS = {("_mode_attention_kernel", 80): 568}
+# Instructions one warp of the tree's kernels executes at the 4B serving shapes (bs 1, K = 8, B = 64), at most,
+# on sm_90a and sm_80: today's counts (gpu-ledger-2026-12-06-tree) rounded up; the all-pairs dedupe and the
+# unpruned beam of gpu-ledger-2026-12-06-fused-draft were ~1.18M and ~133k.
+TREE_WARP_INSTRUCTIONS = {"_beam_kernel": 41_000, "_merge_select_kernel": 56_000}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +55,15 @@ def test_kernels_compile_without_spills_within_shared_memory(launches, arch):
         if compiled.shared_bytes > SHARED_LIMIT[arch]:
             failures.append(f"{name}: {compiled.shared_bytes} bytes of shared memory > {SHARED_LIMIT[arch]}")
     assert not failures, f"sm_{arch}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_tree_kernels_within_their_instruction_bars(launches, arch):
+    counts = {name: warp_instructions(compile_kernel(launches[name], arch), SERIAL_LOOPS[name][1](launches[name]))
+              for name in TREE_WARP_INSTRUCTIONS}
+    over = {name: f"{counts[name]} > {bar}" for name, bar in TREE_WARP_INSTRUCTIONS.items()
+            if counts[name] is None or counts[name] > bar}
+    assert not over, f"sm_{arch}: warp instructions over the bar (None: SASS loops are not the listed ones): {over}"
 
 
 @pytest.mark.parametrize("config", ["mfd", "mfd_d"])
