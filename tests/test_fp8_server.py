@@ -1,7 +1,7 @@
 """FP8 drafting in a real SGLang CPU server (`--speculative-draft-model-quantization fp8`, the make-tiny pair,
 fp32 target): one shared MFD server at B = 8 whose drafter runs its attention and MLP linears in e4m3
 (`mfd_sglang.fp8`, the reference path on CPU). Lossless as always: greedy output is the target's greedy
-decoding, a seeded T > 0 request is plain autoregressive sampling with its seed's coins (README,
+decoding, a seeded T > 0 request is plain autoregressive sampling with its seed's coins (docs/algorithm.md,
 Verification: the output depends on the target and the seed only, whatever the drafter proposes), and the
 server speculates (accept length > 1) with the rounds of the reference engine run with the same FP8 drafter.
 At launch, SGLang's own argument resolution: the flag reaches MFD's memory plan, and a method MFD's drafter

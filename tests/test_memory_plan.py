@@ -30,7 +30,7 @@ def test_planned_draft_memory_bounds_the_measured_allocations():
                          capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["bs"] for r in rows] == [1]  # batch 1 for CI time; README: `--batch-sizes 1 2` (and growth: below)
+    assert [r["bs"] for r in rows] == [1]  # batch 1 for CI time; docs/memory.md: `--batch-sizes 1 2` (and growth: below)
     for row in rows:
         assert row["measured"] <= row["planned"] <= 1.5 * row["measured"], row
 

@@ -73,7 +73,7 @@ def mode_paths(num_modes: int, *, gated: bool, mode_subsets: bool, single_mode_p
     with a mode gate of each request's gated_modes best (--mfd-num-modes); with a gate and
     mode_subsets, also each request's K/2 and 1 best (a K'-mode draft costs about K'/K of K's, plus the
     gate's root-only pass, and at the small budgets a large batch affords keeps most of K's acceptance:
-    README, "Fewer modes per request"); MFD_D's single-mode path."""
+    docs/algorithm.md, "Fewer modes per request, measured"); MFD_D's single-mode path."""
     k = gated_modes or num_modes
     counts = sorted({k // 2, 1} - {0, k}, reverse=True) if gated and mode_subsets else []
     return ((Path(modes=gated_modes),) + tuple(Path(modes=count) for count in counts)
