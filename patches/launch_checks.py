@@ -36,7 +36,7 @@ def refuse_unsupported_target_before(server_args=None, *args, **kwargs):
 
 
 def check_mfd_drafter_before(speculative_algorithm=None, speculative_draft_model_path=None, *args, **kwargs):
-    """BEFORE hook: raise for MFD / MFD_D without a local drafter directory."""
+    """BEFORE hook: raise for MFD / MFD_D without a drafter directory (local, or a hub id's snapshot)."""
     from mfd_sglang.serving.algorithms import is_mfd
     from mfd_sglang.serving.launch import check_drafter_path
 

@@ -60,6 +60,18 @@ def round_traces(server: ServerProcess, *, tp_rank: int | None = None, since: in
     return dict(rounds)
 
 
+def hub_cache_with(cache: Path, repo_id: str, drafter: Path) -> Path:
+    """A Hugging Face hub cache (the layout `snapshot_download` reads offline) holding a copy of `drafter` as
+    `repo_id` at revision main; returns the snapshot directory."""
+    import shutil
+
+    commit = "0" * 39 + "1"
+    storage = cache / ("models--" + repo_id.replace("/", "--"))
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    (storage / "refs" / "main").write_text(commit)
+    return Path(shutil.copytree(drafter, storage / "snapshots" / commit))
+
+
 def start(cmd: list, log_path: Path, *, port: int, env: dict, startup_timeout: float = 600) -> ServerProcess:
     """A started server (`/health` answers) whose log shows every HookRegistry hook applied: MFD's
     exactness on CPU rests on hooks (FULL_MASK, split KV off, the hybrid tree verify, penalties) and
@@ -79,17 +91,19 @@ def assert_hooks_applied(server: ServerProcess) -> None:
 
 def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: str | None, budget: int | None, *,
                  threshold: int | None = None, max_running: int | None = 4, log_level: str = "warning",
-                 extra_args: tuple[str, ...] = (), extra_env: dict | None = None) -> ServerProcess:
-    """A CPU server on the tiny pair's target (fp32), with `algorithm` and its drafter or (None) without
-    speculation, under SGLang's strict idle KV-leak check (which kills the scheduler on a leak); max_running
-    None: no --max-running-requests (what the launch resolves)."""
+                 extra_args: tuple[str, ...] = (), extra_env: dict | None = None,
+                 target: Path | str | None = None) -> ServerProcess:
+    """A CPU server on the tiny pair's target (fp32; `target`: the same target under another name, e.g. a hub
+    id), with `algorithm` and its drafter or (None) without speculation, under SGLang's strict idle KV-leak
+    check (which kills the scheduler on a leak); max_running None: no --max-running-requests (what the launch
+    resolves)."""
     port = free_port()
     log = tmp_path_factory.mktemp("mfd_server") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
     threshold_flag = () if threshold is None else ("--mfd-switch-threshold", str(threshold))
-    cmd = launch_command(tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter, budget=budget,
-                         dtype="float32", extra_args=[
+    cmd = launch_command(target or tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter,
+                         budget=budget, dtype="float32", extra_args=[
                              "--max-total-tokens", "4096", "--context-length", "1024",
                              *(("--max-running-requests", str(max_running)) if max_running else ()),
                              "--log-level", log_level, *threshold_flag, *extra_args])

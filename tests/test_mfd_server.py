@@ -25,10 +25,11 @@ from mfd_sglang.patches.request_checks import unsupported_request_features
 from mfd_sglang.server_process import launch_command, stream_then_abort
 from references import TOP_K_ALL, reference_sample, served_summary, verify_summary
 from servers import (assert_healthy_without_leaks, chat_ids, chat_template_ids, completion_ids, free_port,
-                     generate_ids, log_tail, served_without_leaks, start_server)
+                     generate_ids, hub_cache_with, log_tail, served_without_leaks, start_server)
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
+HUB_TARGET, HUB_DRAFTER = "mfd-test/tiny-target", "mfd-test/tiny-drafter"  # the tiny pair in a local HF cache
 
 # (algorithm, tree budget B, drafter: "mfd" (K = 4) or "dflash" (K = 1), MFD_D switch threshold,
 # overlap scheduling: SGLang's default, as on a GPU; two servers run the synchronous V2 path instead,
@@ -60,10 +61,25 @@ def server(request, tiny_pair, tiny_dflash_drafter, tmp_path_factory):
 def mfd_d_server(tiny_pair, tmp_path_factory):
     """MFD_D, B = 8, default switch threshold (3), room for 6 running requests, INFO log (switches).
     Hidden states and custom logit processors are enabled so that requests asking for them get past
-    SGLang's own checks and reach MFD's."""
-    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 8, max_running=6,
-                       log_level="info", extra_args=("--enable-return-hidden-states", "--enable-custom-logit-processor"))
+    SGLang's own checks and reach MFD's. Target and drafter are given as Hugging Face hub ids, found offline
+    in the HF cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1) as a user's downloaded models would be."""
+    cache = tmp_path_factory.mktemp("hf_hub")
+    hub_cache_with(cache, HUB_TARGET, tiny_pair / "target")
+    snapshot = hub_cache_with(cache, HUB_DRAFTER, tiny_pair / "drafter")
+    srv = start_server(tmp_path_factory, tiny_pair, HUB_DRAFTER, "MFD_D", 8, max_running=6, log_level="info",
+                       extra_args=("--enable-return-hidden-states", "--enable-custom-logit-processor"),
+                       extra_env={"HF_HUB_CACHE": str(cache)}, target=HUB_TARGET)
+    srv.drafter_snapshot = snapshot
     yield from served_without_leaks(srv)
+
+
+def test_hub_id_drafter_is_served_from_its_snapshot(mfd_d_server):
+    """The worker in the scheduler process loaded the drafter hub id's cached snapshot; the launch checked
+    its fit on the target hub id's config (the exactness tests below hold this server to the target's own
+    decoding)."""
+    log = mfd_d_server.log()
+    assert f"MFD: drafter {HUB_DRAFTER} is {mfd_d_server.drafter_snapshot}" in log, log_tail(mfd_d_server.log_path)
+    assert f"MFD_D worker: drafter {mfd_d_server.drafter_snapshot} (" in log, log_tail(mfd_d_server.log_path)
 
 
 # --- exactness ------------------------------------------------------------------------------------
@@ -237,15 +253,21 @@ def test_refused_request_features_get_a_400_that_names_them(mfd_d_server, featur
 
 
 # --- launch-time errors -----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["missing drafter", "wrong target", "budget", "pipeline parallelism",
-                                  "attention backend", "lora"])
+@pytest.mark.parametrize("case", ["missing drafter", "hub id not cached", "wrong target", "wrong hub target", "budget",
+                                  "pipeline parallelism", "attention backend", "lora"])
 def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
-    drafter = str(tiny_pair / "drafter")
+    drafter, target = str(tiny_pair / "drafter"), tiny_pair / "target"
     extra, expected = [], ""
     if case == "missing drafter":
         drafter, expected = str(tmp_path / "no-such-drafter"), "no such directory"
-    elif case == "wrong target":
+    elif case == "hub id not cached":  # offline, an empty HF cache
+        drafter = "mfd-test/not-cached"
+        expected = f"no drafter 'mfd-test/not-cached' (revision main) in the Hugging Face cache ({tmp_path}"
+    elif case in ("wrong target", "wrong hub target"):
         drafter, expected = str(REPO / "drafters" / "smollm2-135m" / "mfd"), "hidden_size: found 576, expected 64"
+        if case == "wrong hub target":  # the fit read from the hub target's cached config
+            target = HUB_TARGET
+            hub_cache_with(tmp_path, HUB_TARGET, tiny_pair / "target")
     elif case == "budget":
         extra, expected = ["--speculative-num-draft-tokens", "1"], "tree budget of 0"
     elif case == "pipeline parallelism":
@@ -254,9 +276,9 @@ def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
         extra, expected = ["--enable-lora"], "LoRA is only compatible with"
     elif case == "attention backend":  # no TARGET_VERIFY tree mask there
         extra, expected = ["--attention-backend", "torch_native"], "MFD on CPU needs --attention-backend mfd_cpu"
-    cmd = launch_command(tiny_pair / "target", port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",
+    cmd = launch_command(target, port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",
                          extra_args=extra)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]

@@ -9,10 +9,11 @@ SGLang hands a registered algorithm's callbacks its recording stand-in for `Serv
   a ValueError, whose message names the flag and the fix, for every configuration MFD cannot serve:
   `unsupported_configuration` (pipeline parallelism, attention data parallelism without
   --enable-dp-lm-head, PD disaggregation with attention DP, HiCache, ...), a target whose tree verify SGLang would get silently wrong (`target_checks.target_refusal`),
-  plugin options that do not fit, and a drafter that is missing (`check_drafter_path`), or does not
+  plugin options that do not fit, and a drafter that is missing (`check_drafter_path`: a local directory, or a
+  Hugging Face hub id resolved to its snapshot as SGLang resolves a hub model), or does not
   fit the target (`checkpoint.check_fits_target`, `check_capturable_layers`).
 - `resolve_server_args(server_args)`, the spec class's `handle_server_args`: fills the fields MFD
-  implies (default draft tokens, EAGLE knobs pinned to 1, running-request cap, memory reserve) and
+  implies (the drafter's local directory for a hub id, default draft tokens, EAGLE knobs pinned to 1, running-request cap, memory reserve) and
   picks an attention backend that applies the tree mask (`resolve_attention_backend`, one of
   `TREE_VERIFY_ATTENTION_BACKENDS`).
 
@@ -38,6 +39,14 @@ def resolve_server_args(server_args) -> None:
     from .options import default_num_draft_tokens
     from .target_checks import disable_splitkv_verify
 
+    # A hub id becomes its local snapshot here, so every scheduler process loads the drafter from disk.
+    drafter = check_drafter_path(str(server_args.speculative_algorithm).upper(),
+                                 server_args.speculative_draft_model_path,
+                                 revision=getattr(server_args, "speculative_draft_model_revision", None),
+                                 cache_dir=getattr(server_args, "download_dir", None))
+    if drafter != server_args.speculative_draft_model_path:
+        logger.info("MFD: drafter %s is %s", server_args.speculative_draft_model_path, drafter)
+        server_args.speculative_draft_model_path = drafter
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = default_num_draft_tokens(server_args.device)
         logger.warning("speculative_num_draft_tokens is not set; defaulting to %d for MFD (a tree of %d draft "
@@ -200,12 +209,14 @@ def validate_server_args(server_args) -> None:
         budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
     draft_quantization(server_args)  # a method the drafter cannot run is refused here
 
-    path = server_args.speculative_draft_model_path
-    check_drafter_path(algo, path)
+    path = check_drafter_path(algo, server_args.speculative_draft_model_path,
+                              revision=getattr(server_args, "speculative_draft_model_revision", None),
+                              cache_dir=getattr(server_args, "download_dir", None))
     try:
         ckpt = load_drafter(path)
-        check_fits_target(ckpt, server_args.model_path)
-        check_capturable_layers(ckpt, server_args.model_path)
+        target = target_config(server_args)
+        check_fits_target(ckpt, target)
+        check_capturable_layers(ckpt, target)
     except CheckpointError as e:
         raise ValueError(f"--speculative-draft-model-path {path} does not fit --model-path "
                          f"{server_args.model_path}: {e}") from None
@@ -220,17 +231,49 @@ def validate_server_args(server_args) -> None:
                          f"the drafter's mode gate; it needs {lacking}. Drop it.")
 
 
-def check_drafter_path(algo: str, path) -> None:
-    """ValueError unless `path` is a local drafter directory (SGLang reads its config.json before
-    any algorithm-specific check, see `mfd_sglang.patches.launch_checks`)."""
+def check_drafter_path(algo: str, path, *, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """The local drafter directory `path` names, or ValueError. A path that is not a local directory is read
+    as a Hugging Face hub id and resolved as SGLang resolves a hub model (`snapshot_download` into the HF
+    cache or `--download-dir`, only the cache under HF_HUB_OFFLINE=1): its config.json and *.safetensors.
+    SGLang reads the drafter's config.json before any algorithm-specific check, see
+    `mfd_sglang.patches.launch_checks`."""
     if not path:
         raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path DIR: a "
-                         "DFlash or MFD drafter directory (config.json + safetensors) trained for "
-                         "this target.")
-    if not Path(path).is_dir():
-        raise ValueError(f"--speculative-draft-model-path {path}: no such directory. MFD loads drafters "
-                         "from a local directory (config.json + *.safetensors); download or convert "
-                         "the drafter first.")
+                         "DFlash or MFD drafter directory (config.json + safetensors) or its Hugging Face hub "
+                         "id, trained for this target.")
+    if Path(path).is_dir():
+        return str(path)
+    if Path(path).is_absolute() or str(path).startswith(".") or str(path).count("/") > 1:
+        raise ValueError(f"--speculative-draft-model-path {path}: no such directory. Pass a drafter directory "
+                         "(config.json + *.safetensors) or a Hugging Face hub id (org/name).")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return snapshot_download(path, revision=revision, cache_dir=cache_dir,
+                                                 allow_patterns=["*.json", "*.safetensors"],
+                                                 local_files_only=offline)
+    except (HFValidationError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        where = (f"in the Hugging Face cache ({cache_dir or constants.HF_HUB_CACHE}; "
+                 "HF_HUB_OFFLINE=1 allows no download)" if offline else "on the Hugging Face hub")
+        raise ValueError(f"--speculative-draft-model-path {path}: no such directory, and no drafter "
+                         f"{path!r} (revision {revision or 'main'}) {where}: {type(e).__name__}. Pass a "
+                         "drafter directory (config.json + *.safetensors) or a hub id that holds one.") from None
+
+
+def target_config(server_args) -> dict:
+    """The target's text config: from `--model-path`'s config.json, or for a hub id as SGLang reads it
+    (`get_config`: the HF cache, or the hub unless HF_HUB_OFFLINE=1)."""
+    from mfd_sglang.checkpoint import target_text_config
+
+    if Path(server_args.model_path).is_dir():
+        return target_text_config(server_args.model_path)
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    return target_text_config(get_config(server_args.model_path,
+                                         trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
+                                         revision=getattr(server_args, "revision", None)))
 
 
 def check_capturable_layers(ckpt, target) -> None:

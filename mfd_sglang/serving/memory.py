@@ -284,12 +284,13 @@ def plan_launch_memory(server_args) -> None:
         return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher
     from sglang.srt.utils.common import get_device_memory_capacity
 
-    from mfd_sglang.checkpoint import load_drafter, target_text_config
+    from mfd_sglang.checkpoint import load_drafter
 
+    from .launch import target_config
     from .options import budget_from_num_draft_tokens, read_options
 
     options = read_options(server_args)
-    target = target_text_config(server_args.model_path)
+    target = target_config(server_args)
     plan = drafter_memory_plan(server_args, load_drafter(server_args.speculative_draft_model_path),
                                budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),
                                vocab=target["vocab_size"], tied_embeddings=bool(target.get("tie_word_embeddings")),
