@@ -142,7 +142,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     drafter = Path(args.drafter or DEFAULT_DRAFTER)
     if not (drafter / "config.json").is_file():
-        print(f"error: no drafter at {drafter} (config.json missing); pass --drafter DIR", file=sys.stderr)
+        shipped = "" if args.drafter else (" (the shipped drafters are in the repository's drafters/, not in an "
+                                           "installed wheel)")
+        print(f"error: no drafter at {drafter}{shipped}; pass --drafter DIR", file=sys.stderr)
         return 2
     if args.target:
         target = Path(args.target)

@@ -3,6 +3,10 @@
 # package in editable mode. Idempotent: a second run only checks that everything is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[setup] this machine has an NVIDIA GPU, and this builds a CPU-only .venv (SGLang without sglang-kernel" \
+       "or FlashInfer): to serve on the GPU, pip install sglang==0.5.23 && pip install . (README, Install)"
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
