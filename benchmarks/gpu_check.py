@@ -20,8 +20,10 @@ Part 1, most truth first (a section starts only while time is left; what the dea
   servers_4b     the same three on a random Qwen3-4B-width pair (shapes, memory, graph capture); exact
   attention      fused mode attention vs the torch reference (fp32 and bf16)
   sync           the eager accept stage and the draft scoring without a host sync
-  round_cost     one round (draft + tree + verify + commit, CUDA graphs) in decode steps at bs 1; the
-                 replayed round equals the eager one (outputs and every cache write)
+  round_cost     one round (draft + tree + verify + commit, CUDA graphs) in decode steps at bs 1 and 32; the
+                 replayed round equals the eager one (outputs and every cache write); each stage beside the
+                 GPU cost ledger's prediction for the same shapes (round-cost-predictions.json in the pair),
+                 and each round's kernels under torch.profiler (round-profile.txt)
   servers_bf16   the tiny pair in bf16 with graphs (MFD with no --attention-backend: FlashInfer where
                  installed, else Triton with one log line); at a divergence, a near-tie of the plain server
   tree_time, attention_time   Triton vs torch timings (a few shapes)
@@ -370,8 +372,47 @@ def time_vocab_kernel(check: Check) -> Iterator[dict]:
         yield {"bs": bs, "K": 8, "D": 15, "B": budget, **timed}
 
 
+PREDICTIONS = "round-cost-predictions.json"  # in the carried pair (gpu_check.sh prepare: the GPU cost ledger's)
+
+
+def with_predictions(row: dict, predictions: dict | None) -> dict:
+    """The row with the ledger's prediction for its config and batch size beside it (each stage's ms and
+    launches), and measured / predicted per stage where both are of the same shapes."""
+    match = next((p for p in (predictions or {}).get("rows", [])
+                  if (p["config"], p["bs"]) == (row["config"], row["bs"])), None)
+    if match is None:
+        return {**row, "predicted": f"no prediction ({PREDICTIONS} not carried)" if predictions is None else None}
+    row = {**row, "predicted": {k: v for k, v in match.items() if k not in ("config", "bs")},
+           "launch_floor_us": predictions["launch_floor_us"]}
+    if match["shape"] == row["shape"]:
+        row["measured_over_predicted"] = {
+            stage: round(row[f"{stage}_ms"] / match[f"{stage}_ms"], 3)
+            for stage in ("ar_step", "draft", "tree", "verify", "commit", "round") if match.get(f"{stage}_ms")}
+    return row
+
+
+def print_predictions(rows: list[dict]) -> None:
+    print("the GPU cost ledger's prediction (H200 model) for the same config and bs; measured / predicted where "
+          "the shapes agree")
+    for r in rows:
+        p = r.get("predicted")
+        if isinstance(p, dict):
+            print(f"{r['config']:>7} {r['bs']:>3} predicted ({p['shape']}) ms: " + " ".join(
+                f"{s} {p[s + '_ms']:.3f}" for s in ("ar_step", "draft", "tree", "verify", "commit", "round"))
+                  + f"; launches {p['round_launches']} (profiled {r.get('profiled_kernel_launches')})"
+                  + (f"; measured / predicted {r['measured_over_predicted']}" if "measured_over_predicted" in r else ""))
+        else:
+            print(f"{r['config']:>7} {r['bs']:>3} {p}")
+
+
 def round_cost_bs1(check: Check) -> Iterator[dict]:
-    yield from round_cost_rows(check.device, not check.cuda, batch_sizes=(1,))
+    """bs 1 and 32 on a GPU (bs 1 on a CPU), each round's kernels profiled into round-profile.txt, the ledger's
+    prediction beside each row."""
+    path = check.pair / PREDICTIONS if check.pair else None
+    predictions = json.loads(path.read_text()) if path and path.is_file() else None
+    for row in round_cost_rows(check.device, not check.cuda, batch_sizes=(1, 32) if check.cuda else (1,),
+                               profile_to=check.out / "round-profile.txt"):
+        yield with_predictions(row, predictions)
 
 
 def round_cost_batches(check: Check) -> Iterator[dict]:
@@ -649,6 +690,7 @@ def print_summary(report: dict) -> None:
             print_server_rows(rows)
         elif name == "round_cost":
             print_round_cost(rows)
+            print_predictions(rows)
         elif name.endswith("_time"):
             for r in rows:
                 print("  " + short(r))

@@ -330,9 +330,30 @@ def replay_ms(replay, device: str, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def round_cost_rows(device: str, quick: bool, batch_sizes: tuple[int, ...] = (1, 4, 16)):
+def profile_round(replay, use_graph: bool, title: str, table_to) -> dict:
+    """One replay of a round under torch.profiler: its table (kernel names, calls, times; CUDA kernels on a
+    GPU, CPU ops otherwise) appended to `table_to`, and the kernels' launches and summed GPU time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_graph else [])
+    with profile(activities=activities) as prof:
+        replay()
+        if use_graph:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    sort_by = "self_device_time_total" if use_graph else "self_cpu_time_total"
+    with open(table_to, "a") as f:
+        f.write(f"===== {title}\n{events.table(sort_by=sort_by, row_limit=60)}\n")
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    return {"profiled_kernel_launches": sum(e.count for e in kernels) if use_graph else None,
+            "profiled_gpu_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 4) if use_graph else None}
+
+
+def round_cost_rows(device: str, quick: bool, batch_sizes: tuple[int, ...] = (1, 4, 16), profile_to=None):
     """Round cost of MFD, MFD_D and DDTree at B = 64 per batch size, a row at a time (quick: tiny shapes);
-    `ok` when the replayed round equals the eager one (`graphs_match_eager`)."""
+    `ok` when the replayed round equals the eager one (`graphs_match_eager`). profile_to: a file that gets
+    each row's round under torch.profiler (`profile_round`)."""
     cfg = TargetConfig.tiny() if quick else TargetConfig.qwen3_4b()
     use_graph = device.startswith("cuda")
     dtype = torch.bfloat16 if use_graph and not quick else torch.float32
@@ -354,9 +375,17 @@ def round_cost_rows(device: str, quick: bool, batch_sizes: tuple[int, ...] = (1,
             ar_ms = replay_ms(ar_step, device, repeats)
             round_ms = replay_ms(graphs.replay_round, device, repeats)
             stage_ms = {f"{s}_ms": round(replay_ms(graphs.replays[s], device, repeats), 4) for s in STAGES}
+            profiled = {}
+            if profile_to is not None:
+                try:  # the timings above stay when the profiler fails
+                    profiled = profile_round(graphs.replay_round, use_graph, f"{name} bs {bs} K "
+                                             f"{1 if single_mode else modes} B {BUDGET} "
+                                             f"({'CUDA graph replay' if use_graph else 'eager, CPU'})", profile_to)
+                except Exception as exc:
+                    profiled = {"profile_error": f"{type(exc).__name__}: {exc}"}
             yield {"config": name, "bs": bs, "K": 1 if single_mode else modes, "B": BUDGET,
-                   "ar_step_ms": round(ar_ms, 4), "round_ms": round(round_ms, 4),
-                   "round_cost": round(round_ms / ar_ms, 3), **stage_ms,
+                   "shape": "tiny" if quick else "qwen3-4b", "ar_step_ms": round(ar_ms, 4), "round_ms": round(round_ms, 4),
+                   "round_cost": round(round_ms / ar_ms, 3), **stage_ms, **profiled,
                    "ok": graphs_match_eager(spec, graphs, roots, cache_lens)}
             del spec, ar_step, graphs  # free this config's graphs and context before the next
             if use_graph:

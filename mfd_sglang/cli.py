@@ -412,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-on", nargs="+", choices=gpu_ledger.FIT_QUANTITIES, default=["ar_step_ms"],
                    help="the log's quantities the floor is fitted on (default ar_step_ms: the plain decode step); "
                    "residuals are printed for all")
+    p.add_argument("--round-cost-predictions", metavar="JSON", help="write only what the GPU check sets beside its "
+                   "round_cost rows (each stage's launches and predicted ms of benchmarks/round_cost.py's round, "
+                   "every config, at --batch-sizes, the first of --shapes) to JSON and stop; scripts/gpu_check.sh "
+                   "prepare writes .gpu-check-pair/round-cost-predictions.json")
     p.set_defaults(func=_gpu_ledger)
 
     p = sub.add_parser("inspect", help="validate and describe a drafter checkpoint")

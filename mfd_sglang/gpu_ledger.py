@@ -295,6 +295,32 @@ def build_report(shapes=tuple(SHAPES), batch_sizes=(1, 8, 32), configs=tuple(CON
             "triton": triton_rows}
 
 
+def round_cost_predictions(batch_sizes=(1, 32), shape: str = "qwen3-4b", log: Path = DEFAULT_LOG,
+                           device: DeviceModel = H200) -> dict:
+    """What the GPU check sets beside its round_cost rows: per config of round_cost.py and batch size, each
+    stage's launches and predicted ms (`trace_round_cost`; the launch floor fitted on the log's plain decode
+    steps, as the ledger's default)."""
+    rc = round_cost_module()
+    compiles: dict = {}
+    fitted = [(r["roofline_s"], r["measured_ms"] / 1e3) for r in fit_rows(log, compiles, device)
+              if r["quantity"] == "ar_step_ms"]
+    floor = fit_launch_floor(fitted)
+    rows = []
+    for config in rc.CONFIGS:
+        for bs in batch_sizes:
+            kernels = trace_round_cost(config, bs, shape)
+            attach_issue_times(kernels, compiles, device)
+            stages = by_stage(kernels)
+            parts = {"ar_step": stages["ar_step"], **{name: stages[name] for name in rc.STAGES},
+                     "round": [k for name in rc.STAGES for k in stages[name]]}
+            rows.append({"config": config, "bs": bs, "shape": shape,
+                         **{f"{name}_ms": round(1e3 * predicted_seconds(roofline_seconds(part, device), floor), 4)
+                            for name, part in parts.items()},
+                         **{f"{name}_launches": len(part) for name, part in parts.items()}})
+    return {"model": MODEL_NOTE, "launch_floor_us": round(floor * 1e6, 4), "device": device.name,
+            "log": str(log.relative_to(REPO) if log.is_relative_to(REPO) else log), "rows": rows}
+
+
 MODEL_NOTE = ("per kernel max(bytes / HBM bandwidth, FLOPs / peak, issue-bound time (Triton), launch floor); a "
               "stage is the sum of its kernels; one constant, the launch floor, fitted to the H200 log")
 COUNTING_NOTE = {
@@ -398,8 +424,14 @@ def write_outputs(report: dict, prefix: Path, command: str) -> list[Path]:
 def run(args, command: str) -> int:
     """Build the report from the parsed options of `python -m mfd_sglang gpu-ledger`, print its Markdown,
     write it with --out."""
+    import json
     import sys
 
+    if args.round_cost_predictions:
+        predictions = round_cost_predictions(tuple(args.batch_sizes), args.shapes[0], args.log.resolve())
+        Path(args.round_cost_predictions).write_text(json.dumps(predictions, indent=1) + "\n")
+        print(f"wrote {args.round_cost_predictions}", file=sys.stderr)
+        return 0
     report = build_report(tuple(args.shapes), tuple(args.batch_sizes), tuple(args.configs), tuple(args.budgets),
                           args.log.resolve(), tuple(args.fit_on), progress=lambda line: print(line, file=sys.stderr))
     print(markdown(report, command))

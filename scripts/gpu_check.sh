@@ -2,7 +2,8 @@
 # The GPU check: what proves the GPU path, in one device call (benchmarks/gpu_check.py says what runs).
 #
 #   bash scripts/gpu_check.sh prepare         here, before the call: the device kit (.device-kit) and the tiny
-#                                             pair (.gpu-check-pair, make-tiny seed 0, K = 4); prints the carry size
+#                                             pair (.gpu-check-pair, make-tiny seed 0, K = 4) with the ledger's
+#                                             round_cost predictions in it; prints the carry size
 #   bash scripts/gpu_check.sh [--part 1|2|flashinfer]
 #                                             on the GPU machine, as ONE command with carry
 #                                             [".device-kit", ".gpu-check-pair"] and timeout_s 560
@@ -32,6 +33,9 @@ if [ "${1:-}" = prepare ]; then
   if [ "$(cat "$PAIR/made-by" 2>/dev/null)" != "$made_by" ]; then
     rm -rf "$PAIR" && "$py" -m mfd_sglang make-tiny "$PAIR" --seed 0 --num-modes 4 && echo "$made_by" >"$PAIR/made-by"
   fi
+  # what part 1's round_cost rows are set beside: the GPU cost ledger's prediction of this checkout's round
+  "$py" -m mfd_sglang gpu-ledger --round-cost-predictions "$PAIR/round-cost-predictions.json" --batch-sizes 1 32 \
+    --shapes qwen3-4b
   "$py" benchmarks/gpu_check.py --carry-size .device-kit "$PAIR"
   exit 0
 fi

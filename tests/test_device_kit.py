@@ -196,6 +196,10 @@ def device_call(kit, tiny_pair, tmp_path_factory) -> dict:
     rehearsal_dir = Path(run_checked(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
     root = tmp_path_factory.mktemp("device-call")
     copy = travelling_copy(root / "repo", kit, tiny_pair)
+    # as `gpu_check.sh prepare` puts it in the pair
+    run_checked([sys.executable, "-m", "mfd_sglang", "gpu-ledger", "--round-cost-predictions",
+                 str(copy / ".gpu-check-pair" / "round-cost-predictions.json"), "--batch-sizes", "1", "32",
+                 "--shapes", "qwen3-4b"], timeout=600)
     carried = sum(p.stat().st_size for p in copy.rglob("*") if p.is_file())  # before the call writes anything
     out = root / "out"
     out.mkdir()
@@ -225,6 +229,22 @@ def test_the_device_call_passes_on_cpu_with_every_cuda_section_named(device_call
     assert len(rows(report, "sync")) == 4 and all(r["skipped"].startswith("needs CUDA") for r in rows(report, "sync"))
 
 
+def test_the_device_calls_round_cost_sits_beside_the_ledger_and_is_profiled(device_call):
+    """Each round_cost row carries the ledger's prediction for its config at the 4B shapes (bs 1 here; 1 and 32
+    on a GPU), and each round's profile is in round-profile.txt."""
+    costs = rows(device_call["report"], "round_cost")
+    assert [(r["config"], r["bs"]) for r in costs] == [("mfd", 1), ("mfd_d", 1), ("ddtree", 1)]
+    for row in costs:
+        predicted = row["predicted"]
+        assert predicted["shape"] == "qwen3-4b" and predicted["tree_launches"] == 2, row
+        assert 0 < predicted["draft_ms"] < predicted["round_ms"] and row["launch_floor_us"] > 0, row
+        assert "measured_over_predicted" not in row  # tiny shapes on a CPU: nothing to compare
+    profile = (device_call["out"] / "round-profile.txt").read_text()
+    assert [line.split(" (")[0] for line in profile.splitlines() if line.startswith("=====")] == [
+        "===== mfd bs 1 K 8 B 64", "===== mfd_d bs 1 K 1 B 64", "===== ddtree bs 1 K 1 B 64"]
+    assert "aten::mm" in profile
+
+
 def test_the_device_call_registers_the_installed_plugin(device_call):
     """SGLang's engine imports against the kit and resolves MFD / MFD_D with the plugin from the kit's site,
     not from the copy's source folder."""
@@ -252,7 +272,8 @@ def test_the_device_call_returns_what_the_device_tool_can_bring_back(device_call
     the server logs hold every server's start-up events."""
     files = [p for p in device_call["out"].rglob("*") if p.is_file()]
     assert 3 <= len(files) <= 8 and all(p.stat().st_size <= 16 * 2**20 for p in files), files
-    assert {p.name for p in files} >= {"report.json", "rows.jsonl", "server-logs.txt", "console.log", "kit-install.log"}
+    assert {p.name for p in files} >= {"report.json", "rows.jsonl", "server-logs.txt", "console.log", "kit-install.log",
+                                       "round-profile.txt"}
     logs = (device_call["out"] / "server-logs.txt").read_text()
     assert logs.count("===== ") == 3 * 3  # plain + MFD + MFD_D in each of the three server sections
     assert "MFD worker: drafter" in logs
