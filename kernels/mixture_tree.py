@@ -10,12 +10,13 @@ Fixed shapes and no host sync, so it can be captured in a CUDA graph. Three laun
      Only the ~B ln B pairs that can rank are merged (both lists are sorted: see the kernel).
   3. `_merge_select_kernel`, one program per request: per depth, each entry's canonical entry (the
      lowest flat index with the same (canonical parent, token) key), its best score over modes and
-     the lowest mode reaching it, from one sort of the depth's M entries by (key, index) and two
-     scans over its runs (not all pairs); then the global top-`budget` and the DraftTree fields.
+     the lowest mode reaching it, from one sort of the depth's M entries by (key, index): runs of
+     equal keys, numbered by a prefix sum, their best by atomic max (not all pairs); then the global
+     top-`budget` and the DraftTree fields.
 
 The depths are a chain (a depth's beam extends the one before, its keys name the canonical parents),
 so the work of a depth is spread over the threads of one program: at the Qwen3-4B serving shapes (bs 1,
-K = 8, B = 64) ~40k and ~55k instructions per warp, ~0.05 ms by the GPU cost ledger's issue-bound
+K = 8, B = 64) ~40k and ~60k instructions per warp scheduler, ~0.05 ms by the GPU cost ledger's issue-bound
 model (`mfd_sglang.gpu_cost`; a model until a GPU measures it).
 
 Exact ordering: every ranking sorts a distinct int64 key (`rank_keys`), the float score mapped to
@@ -89,7 +90,8 @@ def _beam_kernel(
     (ties to the lower index), so candidate (i, t) ranks below the (i + 1) * (t + 1) - 1 candidates
     (i' <= i, t' <= t): with (i + 1) * (t + 1) > B it cannot make the top B, and only the pairs with
     min(i, t) < sqrt(B) are ranked: slots i < ROWS_A x every token rank, then slots i >= ROWS_A x
-    token ranks t < COLS_B (ROWS_A * COLS_B >= B). At B = 64, 1,024 lanes instead of 4,096."""
+    token ranks t < COLS_B (ROWS_A * COLS_B >= B, or COLS_B >= NUM_TOP). At B = 64, 1,024 lanes instead of
+    4,096. Where that saves nothing (a vocabulary of a few tokens), ROWS_A = BB and COLS_B = 0: one tile."""
     pid = tl.program_id(0)  # request * K + mode
     request = pid // K
     mode = pid % K
@@ -101,7 +103,8 @@ def _beam_kernel(
         prev_ptr = beam_score_ptr + ((request * D + d - 1) * M + mode * B).to(tl.int64)
         running = tl.full([BB], MIN_KEY, tl.int64)
         running = _extend_beam(running, prev_ptr, lp, d, 0, B, NUM_TOP, ROWS_A, NTB, BB)
-        running = _extend_beam(running, prev_ptr, lp, d, ROWS_A, B, NUM_TOP, BB, COLS_B, BB)
+        if COLS_B > 0:
+            running = _extend_beam(running, prev_ptr, lp, d, ROWS_A, B, NUM_TOP, BB, COLS_B, BB)
         keep = rank < B  # at least B candidates are real (slot 0 x NUM_TOP, and slots x token 0)
         flat = tl.where(keep, key_index(running), 0)
         token = tl.load(top_tok_ptr + row * NUM_TOP + flat % NUM_TOP, mask=keep, other=0)
@@ -113,20 +116,9 @@ def _beam_kernel(
 
 
 @triton.jit
-def _keep_max(flag_a, best_a, flag_b, best_b):
-    """Segmented running max: a run restarts where `flag` is set."""
-    return flag_a | flag_b, tl.where(flag_b != 0, best_b, tl.maximum(best_a, best_b))
-
-
-@triton.jit
-def _min(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
 def _merge_select_kernel(
     beam_score_ptr, beam_tok_ptr, beam_parent_ptr,
-    sorted_ptr, canon_ptr, merged_score_ptr, merged_mode_ptr, canon_parent_ptr, node_ptr,
+    scratch_ptr, canon_ptr, merged_score_ptr, merged_mode_ptr, canon_parent_ptr, node_ptr,
     out_tok_ptr, out_parent_ptr, out_depth_ptr, out_score_ptr, out_mode_ptr, out_valid_ptr,
     K, D, B, V, budget,
     MB: tl.constexpr, BB: tl.constexpr, TILE_G: tl.constexpr,
@@ -135,7 +127,9 @@ def _merge_select_kernel(
     M = K * B
     T = D * M  # global index g = depth0 * M + j, as the reference flattens [D, M]
     req = request * T  # every per-entry buffer is [bs, D, M]
-    scratch = sorted_ptr + request * MB
+    sorted_at = scratch_ptr + request * 3 * MB  # per request: the sorted entries, then per run its
+    canon_at = sorted_at + MB  # canonical entry and its best rank key
+    best_at = canon_at + MB
     j = tl.arange(0, MB)
     j_ok = j < M
     p = tl.arange(0, MB)  # a position in the sorted order
@@ -153,21 +147,25 @@ def _merge_select_kernel(
         key = (parent_canon + 1) * V + token + 1
         order = tl.where(j_ok, key * MB + j, 0)
         order = tl.reshape(top_k_rows(tl.reshape(order, [1, MB]), 1, MB, MB, 0), [MB])
-        tl.store(scratch + p, order)
+        tl.store(sorted_at + p, order)
+        tl.store(best_at + p, tl.full([MB], MIN_KEY, tl.int64))
         tl.debug_barrier()
         key_p = order // MB
         entry = order % MB
         real = key_p > 0
-        before = tl.load(scratch + p - 1, mask=p > 0, other=-1) // MB
-        after = tl.load(scratch + p + 1, mask=p + 1 < MB, other=-1) // MB
-        starts = real & (before != key_p)
+        before = tl.load(sorted_at + p - 1, mask=p > 0, other=0) // MB
+        after = tl.load(sorted_at + p + 1, mask=p + 1 < MB, other=0) // MB
         ends = real & (after != key_p)
-        # A run's best (score, lowest mode at it), complete at its last position.
+        # Runs numbered in sorted order: a run's canonical entry is filed under its number, its best
+        # (score, lowest mode at it) gathered there by atomic max (an order-free, exact reduction).
+        run = tl.cumsum((real & (before != key_p)).to(tl.int32), 0) - 1
+        tl.store(canon_at + tl.cumsum(ends.to(tl.int32), 0) - 1, entry, mask=ends)
         score = tl.load(beam_score_ptr + at + entry, mask=real, other=0.0)
-        _, best = tl.associative_scan((starts.to(tl.int32), rank_key(score, entry // B)), 0, _keep_max)
-        run_end = tl.associative_scan(tl.where(ends, p, MB - 1), 0, _min, reverse=True)
-        canon = tl.load(scratch + run_end) % MB
-        tl.store(canon_ptr + at + entry, canon.to(tl.int64), mask=real)
+        tl.atomic_max(best_at + run, rank_key(score, entry // B), mask=real)
+        tl.debug_barrier()
+        canon = tl.load(canon_at + run, mask=real, other=0)
+        best = tl.atomic_max(best_at + run, tl.full([MB], MIN_KEY, tl.int64), mask=real)  # read at L2
+        tl.store(canon_ptr + at + entry, canon, mask=real)
         # Only the canonical entry keeps the prefix (best score, lowest mode at it); others -inf.
         tl.store(merged_score_ptr + at + entry, tl.where(ends, key_score(best), float("-inf")), mask=real)
         tl.store(merged_mode_ptr + at + entry, tl.where(ends, key_index(best), K).to(tl.int64), mask=real)
@@ -248,24 +246,27 @@ def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: 
     beam_score = torch.empty(entries, dtype=torch.float32, device=dev)
     beam_tok = torch.empty(entries, **i64)
     beam_parent = torch.empty(entries, **i64)
-    cols_b = pow2(math.isqrt(width - 1) + 1)  # cols_b ** 2 >= width
+    cols_b = min(pow2(math.isqrt(width - 1) + 1), ntb)  # cols_b ** 2 >= width, or every token rank
+    rows_a = max(cols_b, bb // ntb)  # each tile has >= bb lanes
+    if rows_a * ntb + bb * cols_b >= bb * ntb:
+        rows_a, cols_b = bb, 0
     _beam_kernel[(bs * num_modes,)](
         top_lp, top_tok, beam_score, beam_tok, beam_parent, num_modes, depth, width, num_top,
-        BB=bb, NTB=ntb, ROWS_A=max(cols_b, bb // ntb), COLS_B=cols_b,  # each tile has >= bb lanes
+        BB=bb, NTB=ntb, ROWS_A=rows_a, COLS_B=cols_b,
     )
 
     canon, merged_mode, canon_parent, node = (torch.empty(entries, **i64) for _ in range(4))
-    sorted_entries = torch.empty(bs, mb, **i64)
+    scratch = torch.empty(bs, 3, mb, **i64)
     merged_score = torch.empty(entries, dtype=torch.float32, device=dev)
     tokens, parents, depths, modes = (torch.empty(bs, budget, **i64) for _ in range(4))
     scores = torch.empty(bs, budget, dtype=torch.float32, device=dev)
     valid = torch.empty(bs, budget, dtype=torch.bool, device=dev)
     _merge_select_kernel[(bs,)](
         beam_score, beam_tok, beam_parent,
-        sorted_entries, canon, merged_score, merged_mode, canon_parent, node,
+        scratch, canon, merged_score, merged_mode, canon_parent, node,
         tokens, parents, depths, scores, modes, valid,
         num_modes, depth, width, vocab, budget,
-        MB=mb, BB=bb,
+        MB=mb, BB=bb, num_warps=8,
         TILE_G=max(bb, min(pow2(depth * num_entries), _TILE)),
     )
     return DraftTree(
