@@ -198,7 +198,7 @@ def device_call(kit, tiny_pair, tmp_path_factory) -> dict:
     copy = travelling_copy(root / "repo", kit, tiny_pair)
     # as `gpu_check.sh prepare` puts it in the pair
     run_checked([sys.executable, "-m", "mfd_sglang", "gpu-ledger", "--round-cost-predictions",
-                 str(copy / ".gpu-check-pair" / "round-cost-predictions.json"), "--batch-sizes", "1", "32",
+                 str(copy / ".gpu-check-pair" / "round-cost-predictions.json"), "--batch-sizes", "1",
                  "--shapes", "qwen3-4b"], timeout=600)
     carried = sum(p.stat().st_size for p in copy.rglob("*") if p.is_file())  # before the call writes anything
     out = root / "out"
