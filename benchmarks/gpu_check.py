@@ -71,7 +71,7 @@ from mfd_sglang.cuda_graph import host_syncs_raise  # noqa: E402
 from mfd_sglang.mode_attention import mode_attention, random_inputs  # noqa: E402
 from mfd_sglang.timing import mean_ms  # noqa: E402
 from mfd_sglang.tree import DraftTree, build_mixture_tree  # noqa: E402
-from round_cost import print_round_cost, round_cost_rows  # noqa: E402
+from round_cost import STAGES as ROUND_STAGES, print_round_cost, round_cost_rows  # noqa: E402
 from tree_build import time_build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -373,6 +373,7 @@ def time_vocab_kernel(check: Check) -> Iterator[dict]:
 
 
 PREDICTIONS = "round-cost-predictions.json"  # in the carried pair (gpu_check.sh prepare: the GPU cost ledger's)
+PREDICTED = ("ar_step", *ROUND_STAGES, "round")  # what each prediction row holds, as <stage>_ms
 
 
 def with_predictions(row: dict, predictions: dict | None) -> dict:
@@ -387,7 +388,7 @@ def with_predictions(row: dict, predictions: dict | None) -> dict:
     if match["shape"] == row["shape"]:
         row["measured_over_predicted"] = {
             stage: round(row[f"{stage}_ms"] / match[f"{stage}_ms"], 3)
-            for stage in ("ar_step", "draft", "tree", "verify", "commit", "round") if match.get(f"{stage}_ms")}
+            for stage in PREDICTED if match.get(f"{stage}_ms")}
     return row
 
 
@@ -398,7 +399,7 @@ def print_predictions(rows: list[dict]) -> None:
         p = r.get("predicted")
         if isinstance(p, dict):
             print(f"{r['config']:>7} {r['bs']:>3} predicted ({p['shape']}) ms: " + " ".join(
-                f"{s} {p[s + '_ms']:.3f}" for s in ("ar_step", "draft", "tree", "verify", "commit", "round"))
+                f"{s} {p[s + '_ms']:.3f}" for s in PREDICTED)
                   + f"; launches {p['round_launches']} (profiled {r.get('profiled_kernel_launches')})"
                   + (f"; measured / predicted {r['measured_over_predicted']}" if "measured_over_predicted" in r else ""))
         else:

@@ -52,13 +52,13 @@ def wheel_venv(tmp_path_factory):
     return venv, root / "elsewhere"
 
 
-def run_in(venv_and_cwd, *argv, **kwargs):
+def run_in(venv_and_cwd, *argv):
     venv, cwd = venv_and_cwd
     cwd.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["HF_HUB_OFFLINE"] = "1"
     return subprocess.run([str(venv / "bin" / argv[0]), *argv[1:]], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+                          text=True, timeout=300)
 
 
 def test_the_installed_wheel_registers_the_plugin(wheel_venv):

@@ -40,10 +40,7 @@ def resolve_server_args(server_args) -> None:
     from .target_checks import disable_splitkv_verify
 
     # A hub id becomes its local snapshot here, so every scheduler process loads the drafter from disk.
-    drafter = check_drafter_path(str(server_args.speculative_algorithm).upper(),
-                                 server_args.speculative_draft_model_path,
-                                 revision=getattr(server_args, "speculative_draft_model_revision", None),
-                                 cache_dir=getattr(server_args, "download_dir", None))
+    drafter = drafter_dir(server_args)
     if drafter != server_args.speculative_draft_model_path:
         logger.info("MFD: drafter %s is %s", server_args.speculative_draft_model_path, drafter)
         server_args.speculative_draft_model_path = drafter
@@ -209,9 +206,7 @@ def validate_server_args(server_args) -> None:
         budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
     draft_quantization(server_args)  # a method the drafter cannot run is refused here
 
-    path = check_drafter_path(algo, server_args.speculative_draft_model_path,
-                              revision=getattr(server_args, "speculative_draft_model_revision", None),
-                              cache_dir=getattr(server_args, "download_dir", None))
+    path = drafter_dir(server_args)
     try:
         ckpt = load_drafter(path)
         target = target_config(server_args)
@@ -229,6 +224,13 @@ def validate_server_args(server_args) -> None:
                                                                                f"at {path} weighs its modes uniformly)"]))
         raise ValueError(f"{options.spelled['mode_subsets']}: the automatic budget chooses per request modes by "
                          f"the drafter's mode gate; it needs {lacking}. Drop it.")
+
+
+def drafter_dir(server_args) -> str:
+    """`check_drafter_path` of the launch's drafter, at its revision and download directory."""
+    return check_drafter_path(str(server_args.speculative_algorithm).upper(), server_args.speculative_draft_model_path,
+                              revision=getattr(server_args, "speculative_draft_model_revision", None),
+                              cache_dir=getattr(server_args, "download_dir", None))
 
 
 def check_drafter_path(algo: str, path, *, revision: str | None = None, cache_dir: str | None = None) -> str:
@@ -252,8 +254,7 @@ def check_drafter_path(algo: str, path, *, revision: str | None = None, cache_di
     offline = constants.HF_HUB_OFFLINE
     try:
         return snapshot_download(path, revision=revision, cache_dir=cache_dir,
-                                                 allow_patterns=["*.json", "*.safetensors"],
-                                                 local_files_only=offline)
+                                 allow_patterns=["*.json", "*.safetensors"], local_files_only=offline)
     except (HFValidationError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         where = (f"in the Hugging Face cache ({cache_dir or constants.HF_HUB_CACHE}; "
                  "HF_HUB_OFFLINE=1 allows no download)" if offline else "on the Hugging Face hub")
