@@ -41,7 +41,9 @@ def check_mfd_drafter_before(speculative_algorithm=None, speculative_draft_model
     from mfd_sglang.serving.launch import check_drafter_path
 
     if is_mfd(speculative_algorithm):
-        check_drafter_path(str(speculative_algorithm).upper(), speculative_draft_model_path)
+        # The config only: SGLang's get_config reads it next from the default HF cache; the weights are fetched
+        # once, by the launch's own check, at --speculative-draft-model-revision into --download-dir.
+        check_drafter_path(str(speculative_algorithm).upper(), speculative_draft_model_path, files=("*.json",))
 
 
 def install() -> None:

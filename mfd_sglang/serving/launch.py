@@ -233,12 +233,12 @@ def drafter_dir(server_args) -> str:
                               cache_dir=getattr(server_args, "download_dir", None))
 
 
-def check_drafter_path(algo: str, path, *, revision: str | None = None, cache_dir: str | None = None) -> str:
+def check_drafter_path(algo: str, path, *, revision: str | None = None, cache_dir: str | None = None,
+                       files: tuple[str, ...] = ("*.json", "*.safetensors")) -> str:
     """The local drafter directory `path` names, or ValueError. A path that is not a local directory is read
-    as a Hugging Face hub id and resolved as SGLang resolves a hub model (`snapshot_download` into the HF
-    cache or `--download-dir`, only the cache under HF_HUB_OFFLINE=1): its config.json and *.safetensors.
-    SGLang reads the drafter's config.json before any algorithm-specific check, see
-    `mfd_sglang.patches.launch_checks`."""
+    as a Hugging Face hub id and resolved as SGLang resolves a hub model (`snapshot_download` of `files` into
+    the HF cache or `--download-dir`, only the cache under HF_HUB_OFFLINE=1). SGLang reads the drafter's
+    config.json before any algorithm-specific check, see `mfd_sglang.patches.launch_checks`."""
     if not path:
         raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path DIR: a "
                          "DFlash or MFD drafter directory (config.json + safetensors) or its Hugging Face hub "
@@ -254,7 +254,7 @@ def check_drafter_path(algo: str, path, *, revision: str | None = None, cache_di
     offline = constants.HF_HUB_OFFLINE
     try:
         return snapshot_download(path, revision=revision, cache_dir=cache_dir,
-                                 allow_patterns=["*.json", "*.safetensors"], local_files_only=offline)
+                                 allow_patterns=list(files), local_files_only=offline)
     except (HFValidationError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         where = (f"in the Hugging Face cache ({cache_dir or constants.HF_HUB_CACHE}; "
                  "HF_HUB_OFFLINE=1 allows no download)" if offline else "on the Hugging Face hub")
