@@ -3,7 +3,8 @@
 `ServerProcess(cmd, log_path, port=...).start()` starts the command in its own process group with
 stdout+stderr going to `log_path`, waits for `GET /health` to answer 200, and on failure or early exit
 raises with the tail of the log. `stop()` always kills the whole process group (SIGTERM, then SIGKILL)
-and waits for it, so no scheduler or detokenizer process outlives it. Use it as a context manager.
+and waits for it, so no scheduler or detokenizer process outlives it (SGLang's pre-crash diagnostics off
+unless the environment turns them on: QUIET_STOP_ENV). Use it as a context manager.
 `launch_command(...)` builds the command line for a target with or without an MFD drafter: SGLang's
 own launcher on a GPU machine, `mfd_sglang.cpu.launch_server` on a CPU-only one.
 """
@@ -35,6 +36,12 @@ def log_tail(path: Path, n_chars: int = 6000) -> str:
     return text[-n_chars:]
 
 
+# A stop of ours is not a crash: the group's SIGTERM ends the scheduler, SGLang's launcher takes that for a
+# failed child and its SIGQUIT handler sleeps 5 s before py-spy / CUDA-coredump diagnostics. Off unless the
+# caller's environment sets them.
+QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
 class PortInUse(RuntimeError):
     pass
 
@@ -46,7 +53,7 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
-        self.env = env
+        self.env = {**QUIET_STOP_ENV, **(os.environ if env is None else env)}
         self.cwd = cwd
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None

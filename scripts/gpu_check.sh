@@ -30,8 +30,12 @@ if [ "${1:-}" = prepare ]; then
   py=.venv/bin/python; [ -x "$py" ] || py=python3
   # rebuilt when make-tiny changes (its bytes are fixed per seed and source)
   made_by="$(sha256sum mfd_sglang/lab/tiny.py | cut -c1-16) seed 0 K 4"
+  # (MFD_SGLANG_TINY_PAIR: one already built with these settings, copied instead, as the tests' tiny_pair)
   if [ "$(cat "$PAIR/made-by" 2>/dev/null)" != "$made_by" ]; then
-    rm -rf "$PAIR" && "$py" -m mfd_sglang make-tiny "$PAIR" --seed 0 --num-modes 4 && echo "$made_by" >"$PAIR/made-by"
+    rm -rf "$PAIR"
+    if [ -n "${MFD_SGLANG_TINY_PAIR:-}" ]; then cp -r "$MFD_SGLANG_TINY_PAIR" "$PAIR"
+    else "$py" -m mfd_sglang make-tiny "$PAIR" --seed 0 --num-modes 4; fi
+    echo "$made_by" >"$PAIR/made-by"
   fi
   # what part 1's round_cost rows are set beside: the GPU cost ledger's prediction of this checkout's round
   "$py" -m mfd_sglang gpu-ledger --round-cost-predictions "$PAIR/round-cost-predictions.json" --batch-sizes 1 32 \
