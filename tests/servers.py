@@ -72,11 +72,12 @@ def hub_cache_with(cache: Path, repo_id: str, drafter: Path) -> Path:
     return Path(shutil.copytree(drafter, storage / "snapshots" / commit))
 
 
-def start(cmd: list, log_path: Path, *, port: int, env: dict, startup_timeout: float = 600) -> ServerProcess:
+def start(cmd: list, log_path: Path, *, port: int, env: dict, startup_timeout: float = 600,
+          cwd: Path = REPO) -> ServerProcess:
     """A started server (`/health` answers) whose log shows every HookRegistry hook applied: MFD's
     exactness on CPU rests on hooks (FULL_MASK, split KV off, the hybrid tree verify, penalties) and
     SGLang only logs a hook it could not apply. Stopped again when the check fails."""
-    server = ServerProcess(cmd, log_path, port=port, env=env, cwd=REPO, startup_timeout=startup_timeout).start()
+    server = ServerProcess(cmd, log_path, port=port, env=env, cwd=cwd, startup_timeout=startup_timeout).start()
     try:
         assert_hooks_applied(server)
     except BaseException:
@@ -90,13 +91,14 @@ def assert_hooks_applied(server: ServerProcess) -> None:
 
 
 def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: str | None, budget: int | None, *,
-                 threshold: int | None = None, max_running: int | None = 4, log_level: str = "warning",
+                 threshold: int | None = None, max_running: int | None = None, log_level: str = "warning",
                  extra_args: tuple[str, ...] = (), extra_env: dict | None = None,
                  target: Path | str | None = None) -> ServerProcess:
     """A CPU server on the tiny pair's target (fp32; `target`: the same target under another name, e.g. a hub
     id), with `algorithm` and its drafter or (None) without speculation, under SGLang's strict idle KV-leak
-    check (which kills the scheduler on a leak); max_running None: no --max-running-requests (what the launch
-    resolves)."""
+    check (which kills the scheduler on a leak). Only `--max-total-tokens` bounds it (a KV pool sized from host
+    RAM would take seconds to allocate): max running requests and context length are what the launch resolves
+    (MFD's 48, the target's own) unless a test sets `max_running`."""
     port = free_port()
     log = tmp_path_factory.mktemp("mfd_server") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
@@ -104,7 +106,7 @@ def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: s
     threshold_flag = () if threshold is None else ("--mfd-switch-threshold", str(threshold))
     cmd = launch_command(target or tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter,
                          budget=budget, dtype="float32", extra_args=[
-                             "--max-total-tokens", "4096", "--context-length", "1024",
+                             "--max-total-tokens", "4096",
                              *(("--max-running-requests", str(max_running)) if max_running else ()),
                              "--log-level", log_level, *threshold_flag, *extra_args])
     return start(cmd, log, port=port, env=env)

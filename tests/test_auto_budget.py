@@ -262,7 +262,7 @@ def test_the_option_is_checked():
 def auto_server(tiny_pair, tmp_path_factory):
     """MFD_D with the automatic budget, at most B = 16, INFO log; no --max-running-requests, as the README
     launches it (MFD resolves 48 at launch: every scheduler process must read that, not the unset flag)."""
-    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=None,
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16,
                        log_level="info", extra_args=("--mfd-auto-budget",), extra_env=plugin_env("round_trace"))
     yield from served_without_leaks(srv)
 

@@ -278,10 +278,9 @@ def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embe
 
 
 def plan_launch_memory(server_args) -> None:
-    """At launch on an accelerator (SGLang's handle_server_args stage): the plan of the drafter at
-    --speculative-draft-model-path, reserved through `reserve_in_mem_fraction`."""
-    if str(server_args.device) == "cpu":
-        return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher
+    """At launch (SGLang's handle_server_args stage): the plan of the drafter at
+    --speculative-draft-model-path, logged (every scheduler's worker logs the plan it computes from the same
+    arguments: the two lines agree) and on an accelerator reserved through `reserve_in_mem_fraction`."""
     from sglang.srt.utils.common import get_device_memory_capacity
 
     from mfd_sglang.checkpoint import load_drafter
@@ -296,6 +295,9 @@ def plan_launch_memory(server_args) -> None:
                                vocab=target["vocab_size"], tied_embeddings=bool(target.get("tie_word_embeddings")),
                                dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
                                num_modes=options.num_modes, verify_graphs=options.auto_budget)
+    logger.info("MFD memory at launch: %s", plan.describe(int(server_args.max_running_requests)))
+    if str(server_args.device) == "cpu":
+        return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher
     # The raw input tells whether the user set the fraction (the resolved value is always set).
     raw = getattr(server_args, "_raw_input", None) or {}
     reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),

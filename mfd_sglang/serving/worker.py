@@ -115,8 +115,8 @@ class MFDWorkerV2(BaseSpecWorker):
         self.memory_plan = drafter_memory_plan(
             server_args, ckpt, budget=self.budget, vocab=self.model_runner.model_config.vocab_size,
             tied_embeddings=self.model_runner.model.lm_head.weight is self.model_runner.model.get_input_embeddings().weight,
-            dtype_bytes=drafting.embed_weight.element_size(), num_modes=drafting.num_modes,
-            verify_graphs=options.auto_budget and str(self.device).startswith("cuda"))
+            dtype_bytes=drafting.embed_weight.element_size(), num_modes=options.num_modes,
+            verify_graphs=options.auto_budget)  # as plan_launch_memory: the launch's line and this one agree
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests)))
         cfg = drafting.drafter.cfg
         logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s)%s, block %d, linears %s), tree budget %s, "
