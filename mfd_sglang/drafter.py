@@ -21,6 +21,10 @@ modes of highest weight. The weights must be known before the draft, so the gate
 root-only block (the K copies of `[root]`, 1/block_size of a draft's tokens) instead of the full block's;
 the K' copies drafted are exactly those copies of the K-mode draft (a copy never sees another).
 
+Context K/V (`context_kv`): every layer projects the same context, so the keys of all layers come from one
+product and the values from another, normed and rotated in one op each; `stack_context_projections` makes the
+layers' k / v weights views of the stacked tensors (the serving stage does: a commit reads them in place).
+
 FP8 (`from_checkpoint(..., fp8_linears=True)`, a server's `--speculative-draft-model-quantization fp8`):
 every layer's attention projections and MLP (`FP8_LINEARS`) run as `mfd_sglang.fp8.FP8Linear`, as SGLang's
 online FP8 quantizes a DFlash draft model's layers; the context projection `fc`, the norms, the mode
@@ -178,6 +182,20 @@ class DraftContext:
         )
 
 
+class ContextProjections(NamedTuple):
+    """Every drafter layer's context projections, stacked over the layers (`MFDDrafter.context_kv`)."""
+
+    k_weight: torch.Tensor  # [layers, kv_width, H]
+    k_bias: torch.Tensor | None  # [layers, kv_width]
+    v_weight: torch.Tensor
+    v_bias: torch.Tensor | None
+    k_norm: torch.Tensor  # [layers, head_dim]
+
+
+def _flat(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.flatten()
+
+
 class ModeSubset(NamedTuple):
     """The modes each request drafts (`MFDDrafter.gate_modes`): a subset chosen by the mode gate."""
 
@@ -262,6 +280,7 @@ class MFDDrafter(nn.Module):
         self.register_buffer("draft_vocab", None)
         # A plain DFlash checkpoint has no mode_embed; the module then holds one zero row.
         self.carries_mode_embed = cfg.num_modes > 1
+        self._stacked_context = None  # `stack_context_projections`
 
     # --- loading -------------------------------------------------------------------------------
     @classmethod
@@ -309,13 +328,69 @@ class MFDDrafter(nn.Module):
 
     def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor,
                    valid: torch.Tensor | None = None) -> DraftContext:
-        """Per-layer context keys/values for new context tokens (appended to the draft cache)."""
+        """Per-layer context keys/values for new context tokens (appended to the draft cache).
+
+        Every layer projects the same context, so all layers' keys come from one product and their values
+        from another (`stacked_context_projections`), normed in one op (each layer's k-norm weight applied
+        after) and rotated in one: a commit's launches do not grow with the layers. FP8 linears (their own
+        scales per layer) take each layer's `keys_values` instead."""
         ctx = self.project_context(target_hidden)
         rope = Rope.at(positions, self.cfg, ctx.dtype)
-        keys, values = zip(*(layer.keys_values(ctx, rope) for layer in self.layers))
+        stacked = self.stacked_context_projections()
+        if stacked is None:
+            keys, values = zip(*(layer.keys_values(ctx, rope) for layer in self.layers))
+        else:
+            bs, t, _ = ctx.shape
+            shape = (bs, t, len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim)
+            k = F.linear(ctx, stacked.k_weight.flatten(0, 1), _flat(stacked.k_bias)).view(shape)
+            v = F.linear(ctx, stacked.v_weight.flatten(0, 1), _flat(stacked.v_bias)).view(shape)
+            k = F.rms_norm(k, shape[-1:], None, self.cfg.rms_norm_eps) * stacked.k_norm[:, None]
+            k = apply_rope(k, rope.cos[:, :, None], rope.sin[:, :, None])
+            keys = [k[:, :, i].transpose(1, 2) for i in range(shape[2])]
+            values = [v[:, :, i].transpose(1, 2) for i in range(shape[2])]
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         return DraftContext(list(keys), list(values), positions, valid)
+
+    def stacked_context_projections(self) -> "ContextProjections | None":
+        """Every layer's context projections stacked: read in place after `stack_context_projections`, else
+        stacked per call (training, the reference engine: the same values, so the same product). None when
+        a layer's k / v projection is not a plain linear (FP8)."""
+        layers = self.layers
+        if not all(type(layer.k_proj) is nn.Linear and type(layer.v_proj) is nn.Linear for layer in layers):
+            return None
+        stacked = self._stacked_context
+        if stacked is not None and all(
+                param.data_ptr() == part.data_ptr() for i, layer in enumerate(layers)
+                for param, part in ((layer.k_proj.weight, stacked.k_weight[i]),
+                                    (layer.v_proj.weight, stacked.v_weight[i]), (layer.k_norm, stacked.k_norm[i]))):
+            return stacked
+
+        def stack(tensors):
+            return None if tensors[0] is None else torch.stack(tensors)
+
+        return ContextProjections(
+            stack([layer.k_proj.weight for layer in layers]), stack([layer.k_proj.bias for layer in layers]),
+            stack([layer.v_proj.weight for layer in layers]), stack([layer.v_proj.bias for layer in layers]),
+            stack([layer.k_norm for layer in layers]))
+
+    @torch.no_grad()
+    def stack_context_projections(self) -> "MFDDrafter":
+        """Make every layer's k_proj / v_proj weights (and biases) and k-norm views of stacked tensors, so that
+        `context_kv` reads them in place (serving: no copy per commit, no memory added). A later cast or
+        `quantize_linears_fp8` replaces the views, and context_kv then stacks per call again. Returns self."""
+        stacked = self.stacked_context_projections()
+        if stacked is None:
+            return self
+        for i, layer in enumerate(self.layers):
+            for linear, weight, bias in ((layer.k_proj, stacked.k_weight, stacked.k_bias),
+                                         (layer.v_proj, stacked.v_weight, stacked.v_bias)):
+                linear.weight = nn.Parameter(weight[i], requires_grad=False)
+                if bias is not None:
+                    linear.bias = nn.Parameter(bias[i], requires_grad=False)
+            layer.k_norm = nn.Parameter(stacked.k_norm[i], requires_grad=False)
+        self._stacked_context = stacked
+        return self
 
     def mode_vectors(self, single_mode: bool) -> torch.Tensor:
         """[K', H]: the K mode embeddings, or the one vector of the default (single-mode) path."""

@@ -120,3 +120,38 @@ def test_paged_context_read_in_place_equals_the_padded_context():
     with torch.no_grad():
         torch.testing.assert_close(drafter(block_embeds, block_pos, paged), drafter(block_embeds, block_pos, dense),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_stacked_context_projections_equal_each_layers_own(attention_bias):
+    """context_kv's one product per K and V over all layers (stacked per call, and read in place after
+    stack_context_projections) equals every layer's own keys_values on random inputs; the in-place stack
+    shares the layers' weights (a weight changed is seen), gradients reach every layer's weights, and FP8
+    linears take each layer's own path."""
+    from mfd_sglang.drafter import Rope
+
+    drafter = make_drafter(seed=3, attention_bias=attention_bias)
+    features, ctx_pos, _, _ = inputs(2, 7)
+    with torch.no_grad():
+        ctx = drafter.project_context(features)
+        rope = Rope.at(ctx_pos, drafter.cfg, ctx.dtype)
+        own = [layer.keys_values(ctx, rope) for layer in drafter.layers]
+        per_call = drafter.context_kv(features, ctx_pos)
+        in_place = drafter.stack_context_projections().context_kv(features, ctx_pos)
+    assert drafter._stacked_context is not None
+    for got in (per_call, in_place):
+        for (k, v), got_k, got_v in zip(own, got.keys, got.values):
+            torch.testing.assert_close(got_k, k, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got_v, v, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        drafter.layers[1].v_proj.weight.mul_(2)  # a view of the stack: the next product reads it in place
+        assert drafter.stacked_context_projections() is drafter._stacked_context
+        torch.testing.assert_close(drafter.context_kv(features, ctx_pos).values[1],
+                                   drafter.layers[1].keys_values(ctx, rope)[1], atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(drafter.context_kv(features, ctx_pos).values[1], in_place.values[1])
+    trained = make_drafter(seed=3, attention_bias=attention_bias).train()
+    trained.context_kv(features, ctx_pos).keys[1].sum().backward()
+    assert trained.layers[1].k_proj.weight.grad.abs().sum() > 0 and trained.layers[1].k_norm.grad.abs().sum() > 0
+    assert trained.layers[0].k_proj.weight.grad.abs().sum() == 0  # layer 0's keys are another output
+    fp8 = make_drafter(seed=3, attention_bias=attention_bias).quantize_linears_fp8()
+    assert fp8.stacked_context_projections() is None and fp8.stack_context_projections()._stacked_context is None
