@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.cuda_graph import capture
-from mfd_sglang.drafter import MFDDrafter, apply_rope, rope_cos_sin
+from mfd_sglang.drafter import MFDDrafter, rope_cos_sin
 from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.timing import mean_ms
@@ -123,15 +124,19 @@ class StaticTarget:
         step's K/V are written). Returns the final-normed hidden states [bs, T, H] and the drafter's
         features [bs, T, n * H]: outputs of the feature layers (HF hidden_states[i + 1])."""
         c, (bs, t) = self.cfg, tokens.shape
-        cos, sin = (x[:, :, None] for x in rope_cos_sin(positions, c.head_dim, c.rope_theta, self.dtype))
+        # The target's rope as transformers writes it (the form the H200 log measured: the ledger's launch floor is
+        # fitted to this step); the drafter folds rotate_half's sign into its sin table instead.
+        cos, signed_sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, self.dtype)
+        sin = signed_sin[..., c.head_dim // 2:].repeat(1, 1, 2)
         index = write_slots[:, None, :, None].expand(bs, c.kv_heads, t, c.head_dim)
         x, features = self.embed[tokens], []
         for i, w in enumerate(self.layers):
             h = measured_rms_norm(x, w["attn_norm"], c.rms_eps)
             q, k, v = F.linear(h, w["qkv"]).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
                                                    c.kv_heads * c.head_dim], dim=-1)
-            q = apply_rope(measured_rms_norm(q.view(bs, t, c.heads, c.head_dim), w["q_norm"], c.rms_eps), cos, sin)
-            k = apply_rope(measured_rms_norm(k.view(bs, t, c.kv_heads, c.head_dim), w["k_norm"], c.rms_eps), cos, sin)
+            q, k = apply_rotary_pos_emb(measured_rms_norm(q.view(bs, t, c.heads, c.head_dim), w["q_norm"], c.rms_eps),
+                                        measured_rms_norm(k.view(bs, t, c.kv_heads, c.head_dim), w["k_norm"], c.rms_eps),
+                                        cos, sin, unsqueeze_dim=2)
             self.k_cache[i].scatter_(2, index, k.transpose(1, 2))
             self.v_cache[i].scatter_(2, index, v.view(bs, t, c.kv_heads, c.head_dim).transpose(1, 2))
             x = x + F.linear(grouped_attention(q, self.k_cache[i], self.v_cache[i], visible), w["o"])

@@ -22,8 +22,9 @@ root-only block (the K copies of `[root]`, 1/block_size of a draft's tokens) ins
 the K' copies drafted are exactly those copies of the K-mode draft (a copy never sees another).
 
 Context K/V (`context_kv`): every layer projects the same context, so the keys of all layers come from one
-product and the values from another, normed and rotated in one op each; `stack_context_projections` makes the
-layers' k / v weights views of the stacked tensors (the serving stage does: a commit reads them in place).
+product and the values from another, normed and rotated in one op each; a layer's MLP reads its gate and up
+projections in one product. `join_projections` makes the parameters each product reads views of one tensor
+(the serving stage does: no copy per call).
 
 FP8 (`from_checkpoint(..., fp8_linears=True)`, a server's `--speculative-draft-model-quantization fp8`):
 every layer's attention projections and MLP (`FP8_LINEARS`) run as `mfd_sglang.fp8.FP8Linear`, as SGLang's
@@ -67,11 +68,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [..., head_dim] for integer positions [...] (HF 'default' rope, half-rotation)."""
+    """cos and signed-sin tables [..., head_dim] for integer positions [...] (HF 'default' rope, half-rotation):
+    cos of the angles twice, their sin with the first copy negated (what `apply_rope` multiplies)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 class Rope(NamedTuple):
@@ -87,9 +89,10 @@ class Rope(NamedTuple):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x * cos + rotate_half(x) * sin with HF's rotate_half(x) = [-x2, x1]: with sin's first half negated
+    (`rope_cos_sin`) that is roll(x) * sin, bit for bit (negation is exact), one data movement instead of a
+    negation and a concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chunk_size: int = VOCAB_CHUNK, *,
@@ -182,18 +185,38 @@ class DraftContext:
         )
 
 
-class ContextProjections(NamedTuple):
-    """Every drafter layer's context projections, stacked over the layers (`MFDDrafter.context_kv`)."""
+def joined(params: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The tensors concatenated along dim 0 (contiguous, one trailing shape; None for a list of Nones, e.g. no
+    biases): a view when they lie back to back in one storage (`join_in_place` put them there), else a copy."""
+    first = params[0]
+    if first is None:
+        return None
+    offset = first.storage_offset()
+    for p in params:
+        if not (p.is_contiguous() and p.storage_offset() == offset
+                and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
+            return torch.cat(params)
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in params)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
-    k_weight: torch.Tensor  # [layers, kv_width, H]
-    k_bias: torch.Tensor | None  # [layers, kv_width]
-    v_weight: torch.Tensor
-    v_bias: torch.Tensor | None
-    k_norm: torch.Tensor  # [layers, head_dim]
+
+@torch.no_grad()
+def join_in_place(params: list[tuple[nn.Module, str]]) -> None:
+    """Make the parameters `module.name` views of one tensor, back to back in the order given (no copy kept: the
+    products that read them `joined` read them in place). For inference: they stop requiring gradients."""
+    tensors = [getattr(module, name) for module, name in params]
+    if tensors[0] is None:
+        return
+    whole, start = torch.cat(tensors), 0
+    for (module, name), t in zip(params, tensors):
+        setattr(module, name, nn.Parameter(whole[start:start + t.shape[0]].view(t.shape), requires_grad=False))
+        start += t.shape[0]
 
 
-def _flat(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.flatten()
+def plain_linears(*modules: nn.Module) -> bool:
+    """Whether every module is a plain nn.Linear (FP8 linears carry scales of their own: no joined product)."""
+    return all(type(m) is nn.Linear for m in modules)
 
 
 class ModeSubset(NamedTuple):
@@ -251,8 +274,14 @@ class DrafterLayer(nn.Module):
         attn = attend(q, k, v)
         # A view when attend's output is laid out [bs, K*T, heads, hd] (mode attention's is); else a copy.
         x = x + self.o_proj(attn.transpose(1, 2).reshape(bs, rows, -1))
-        h = rms_norm(x, self.post_attention_layernorm, eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, eps))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU; gate and up from one product (`joined`) where both are plain linears."""
+        if not plain_linears(self.gate_proj, self.up_proj):
+            return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate, up = F.linear(h, joined([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def dense_attention(ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor,
@@ -280,7 +309,6 @@ class MFDDrafter(nn.Module):
         self.register_buffer("draft_vocab", None)
         # A plain DFlash checkpoint has no mode_embed; the module then holds one zero row.
         self.carries_mode_embed = cfg.num_modes > 1
-        self._stacked_context = None  # `stack_context_projections`
 
     # --- loading -------------------------------------------------------------------------------
     @classmethod
@@ -336,60 +364,39 @@ class MFDDrafter(nn.Module):
         scales per layer) take each layer's `keys_values` instead."""
         ctx = self.project_context(target_hidden)
         rope = Rope.at(positions, self.cfg, ctx.dtype)
-        stacked = self.stacked_context_projections()
-        if stacked is None:
-            keys, values = zip(*(layer.keys_values(ctx, rope) for layer in self.layers))
+        layers = self.layers
+        if not plain_linears(*(m for layer in layers for m in (layer.k_proj, layer.v_proj))):
+            keys, values = zip(*(layer.keys_values(ctx, rope) for layer in layers))
         else:
             bs, t, _ = ctx.shape
-            shape = (bs, t, len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim)
-            k = F.linear(ctx, stacked.k_weight.flatten(0, 1), _flat(stacked.k_bias)).view(shape)
-            v = F.linear(ctx, stacked.v_weight.flatten(0, 1), _flat(stacked.v_bias)).view(shape)
-            k = F.rms_norm(k, shape[-1:], None, self.cfg.rms_norm_eps) * stacked.k_norm[:, None]
-            k = apply_rope(k, rope.cos[:, :, None], rope.sin[:, :, None])
-            keys = [k[:, :, i].transpose(1, 2) for i in range(shape[2])]
-            values = [v[:, :, i].transpose(1, 2) for i in range(shape[2])]
+            shape = (bs, t, len(layers), self.cfg.num_key_value_heads, self.cfg.head_dim)
+            k, v = (F.linear(ctx, joined([getattr(layer, name).weight for layer in layers]),
+                             joined([getattr(layer, name).bias for layer in layers])).view(shape)
+                    for name in ("k_proj", "v_proj"))
+            k_norm = joined([layer.k_norm for layer in layers]).view(len(layers), 1, -1)
+            k = apply_rope(F.rms_norm(k, shape[-1:], None, self.cfg.rms_norm_eps) * k_norm,
+                           rope.cos[:, :, None], rope.sin[:, :, None])
+            keys = [k[:, :, i].transpose(1, 2) for i in range(len(layers))]
+            values = [v[:, :, i].transpose(1, 2) for i in range(len(layers))]
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         return DraftContext(list(keys), list(values), positions, valid)
 
-    def stacked_context_projections(self) -> "ContextProjections | None":
-        """Every layer's context projections stacked: read in place after `stack_context_projections`, else
-        stacked per call (training, the reference engine: the same values, so the same product). None when
-        a layer's k / v projection is not a plain linear (FP8)."""
+    def join_projections(self) -> "MFDDrafter":
+        """Serving: the parameters read by one product each become views of one tensor (`join_in_place`): all
+        layers' k_proj, v_proj (weights, biases) and k-norms for `context_kv`, each layer's gate and up
+        projections for its MLP. No memory is added; the products read them in place instead of concatenating
+        them per call. Plain linears only (not after `quantize_linears_fp8`); a later cast copies them apart
+        again (the products then concatenate per call). Returns self."""
         layers = self.layers
-        if not all(type(layer.k_proj) is nn.Linear and type(layer.v_proj) is nn.Linear for layer in layers):
-            return None
-        stacked = self._stacked_context
-        if stacked is not None and all(
-                param.data_ptr() == part.data_ptr() for i, layer in enumerate(layers)
-                for param, part in ((layer.k_proj.weight, stacked.k_weight[i]),
-                                    (layer.v_proj.weight, stacked.v_weight[i]), (layer.k_norm, stacked.k_norm[i]))):
-            return stacked
-
-        def stack(tensors):
-            return None if tensors[0] is None else torch.stack(tensors)
-
-        return ContextProjections(
-            stack([layer.k_proj.weight for layer in layers]), stack([layer.k_proj.bias for layer in layers]),
-            stack([layer.v_proj.weight for layer in layers]), stack([layer.v_proj.bias for layer in layers]),
-            stack([layer.k_norm for layer in layers]))
-
-    @torch.no_grad()
-    def stack_context_projections(self) -> "MFDDrafter":
-        """Make every layer's k_proj / v_proj weights (and biases) and k-norm views of stacked tensors, so that
-        `context_kv` reads them in place (serving: no copy per commit, no memory added). A later cast or
-        `quantize_linears_fp8` replaces the views, and context_kv then stacks per call again. Returns self."""
-        stacked = self.stacked_context_projections()
-        if stacked is None:
-            return self
-        for i, layer in enumerate(self.layers):
-            for linear, weight, bias in ((layer.k_proj, stacked.k_weight, stacked.k_bias),
-                                         (layer.v_proj, stacked.v_weight, stacked.v_bias)):
-                linear.weight = nn.Parameter(weight[i], requires_grad=False)
-                if bias is not None:
-                    linear.bias = nn.Parameter(bias[i], requires_grad=False)
-            layer.k_norm = nn.Parameter(stacked.k_norm[i], requires_grad=False)
-        self._stacked_context = stacked
+        if plain_linears(*(m for layer in layers for m in (layer.k_proj, layer.v_proj))):
+            for name in ("k_proj", "v_proj"):
+                for field in ("weight", "bias"):
+                    join_in_place([(getattr(layer, name), field) for layer in layers])
+            join_in_place([(layer, "k_norm") for layer in layers])
+        for layer in layers:
+            if plain_linears(layer.gate_proj, layer.up_proj):
+                join_in_place([(layer.gate_proj, "weight"), (layer.up_proj, "weight")])
         return self
 
     def mode_vectors(self, single_mode: bool) -> torch.Tensor:

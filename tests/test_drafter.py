@@ -123,35 +123,71 @@ def test_paged_context_read_in_place_equals_the_padded_context():
 
 
 @pytest.mark.parametrize("attention_bias", [False, True])
-def test_stacked_context_projections_equal_each_layers_own(attention_bias):
-    """context_kv's one product per K and V over all layers (stacked per call, and read in place after
-    stack_context_projections) equals every layer's own keys_values on random inputs; the in-place stack
-    shares the layers' weights (a weight changed is seen), gradients reach every layer's weights, and FP8
-    linears take each layer's own path."""
-    from mfd_sglang.drafter import Rope
+def test_joined_products_equal_each_projection_alone(attention_bias):
+    """context_kv's one product per K and V over all layers and a layer's one product for gate and up (joined
+    per call, and read in place after join_projections) equal each layer's own projections on random inputs;
+    joined in place, the weights are views of one tensor (a weight changed is seen, nothing copied per call),
+    gradients reach every weight when not joined, and FP8 linears take each projection alone."""
+    from mfd_sglang.drafter import Rope, joined
 
     drafter = make_drafter(seed=3, attention_bias=attention_bias)
-    features, ctx_pos, _, _ = inputs(2, 7)
+    features, ctx_pos, block, block_pos = inputs(2, 7)
+    layer = drafter.layers[1]
+    x = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(4))
+
+    def mlp_alone(layer, x):
+        return layer.down_proj(torch.nn.functional.silu(layer.gate_proj(x)) * layer.up_proj(x))
+
     with torch.no_grad():
         ctx = drafter.project_context(features)
         rope = Rope.at(ctx_pos, drafter.cfg, ctx.dtype)
         own = [layer.keys_values(ctx, rope) for layer in drafter.layers]
+        mlp_own = mlp_alone(layer, x)
+        torch.testing.assert_close(layer.mlp(x), mlp_own)
         per_call = drafter.context_kv(features, ctx_pos)
-        in_place = drafter.stack_context_projections().context_kv(features, ctx_pos)
-    assert drafter._stacked_context is not None
+        drafted = drafter(block, block_pos, per_call)
+        in_place = drafter.join_projections().context_kv(features, ctx_pos)
+        assert torch.equal(drafter(block, block_pos, in_place), drafted)  # the same products, joined or not
+        weights = [layer.k_proj.weight for layer in drafter.layers]
+        assert joined(weights).data_ptr() == weights[0].data_ptr()  # a view: nothing concatenated per call
+        assert joined([layer.gate_proj.weight, layer.up_proj.weight]).data_ptr() == layer.gate_proj.weight.data_ptr()
+        torch.testing.assert_close(layer.mlp(x), mlp_own)
     for got in (per_call, in_place):
         for (k, v), got_k, got_v in zip(own, got.keys, got.values):
             torch.testing.assert_close(got_k, k, atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(got_v, v, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
-        drafter.layers[1].v_proj.weight.mul_(2)  # a view of the stack: the next product reads it in place
-        assert drafter.stacked_context_projections() is drafter._stacked_context
+        drafter.layers[1].v_proj.weight.mul_(2)  # a view of the joined tensor: the next product reads it
         torch.testing.assert_close(drafter.context_kv(features, ctx_pos).values[1],
                                    drafter.layers[1].keys_values(ctx, rope)[1], atol=1e-6, rtol=1e-5)
         assert not torch.allclose(drafter.context_kv(features, ctx_pos).values[1], in_place.values[1])
     trained = make_drafter(seed=3, attention_bias=attention_bias).train()
-    trained.context_kv(features, ctx_pos).keys[1].sum().backward()
-    assert trained.layers[1].k_proj.weight.grad.abs().sum() > 0 and trained.layers[1].k_norm.grad.abs().sum() > 0
-    assert trained.layers[0].k_proj.weight.grad.abs().sum() == 0  # layer 0's keys are another output
-    fp8 = make_drafter(seed=3, attention_bias=attention_bias).quantize_linears_fp8()
-    assert fp8.stacked_context_projections() is None and fp8.stack_context_projections()._stacked_context is None
+    trained(block, block_pos, trained.context_kv(features, ctx_pos)).sum().backward()
+    for name in ("k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert all(getattr(layer, name).weight.grad.abs().sum() > 0 for layer in trained.layers), name
+    fp8 = make_drafter(seed=3, attention_bias=attention_bias).quantize_linears_fp8().join_projections()
+    storages = {layer.k_norm.untyped_storage().data_ptr() for layer in fp8.layers}
+    assert len(storages) == len(fp8.layers)  # not joined
+    with torch.no_grad():
+        fp8_context = fp8.context_kv(features, ctx_pos)
+        torch.testing.assert_close(fp8_context.keys[1], fp8.layers[1].keys_values(fp8.project_context(features),
+                                                                                   rope)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_equals_transformers_half_rotation_bit_for_bit(dtype):
+    """apply_rope over rope_cos_sin's tables (one roll, the sign folded into sin) equals transformers' Qwen3
+    rope (x * cos + rotate_half(x) * sin over cos / sin of the angles twice) exactly, at long positions."""
+    from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+    from mfd_sglang.drafter import apply_rope, rope_cos_sin
+
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 40960, (3, 17), generator=gen)
+    x = torch.randn(3, 17, 4, 128, generator=gen).to(dtype)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
+    ours_cos, ours_sin = rope_cos_sin(positions, 128, 1e6, dtype)
+    assert torch.equal(apply_rope(x, ours_cos[:, :, None], ours_sin[:, :, None]), x * cos + rotate_half(x) * sin)

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 class DraftStage:
     def __init__(self, drafter: MFDDrafter, embed_weight: torch.Tensor, head_weight: torch.Tensor, *, device):
-        self.drafter = drafter.stack_context_projections()  # a commit's context K/V read the weights in place
+        self.drafter = drafter.join_projections()  # its joined products read the weights in place
         self.embed_weight, self.head_weight = embed_weight, head_weight
         on_cuda = str(device).startswith("cuda")
         self.tree_backend = "triton" if on_cuda else "torch"
