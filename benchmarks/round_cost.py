@@ -134,9 +134,9 @@ class StaticTarget:
             h = measured_rms_norm(x, w["attn_norm"], c.rms_eps)
             q, k, v = F.linear(h, w["qkv"]).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
                                                    c.kv_heads * c.head_dim], dim=-1)
-            q, k = apply_rotary_pos_emb(measured_rms_norm(q.view(bs, t, c.heads, c.head_dim), w["q_norm"], c.rms_eps),
-                                        measured_rms_norm(k.view(bs, t, c.kv_heads, c.head_dim), w["k_norm"], c.rms_eps),
-                                        cos, sin, unsqueeze_dim=2)
+            q = measured_rms_norm(q.view(bs, t, c.heads, c.head_dim), w["q_norm"], c.rms_eps)
+            k = measured_rms_norm(k.view(bs, t, c.kv_heads, c.head_dim), w["k_norm"], c.rms_eps)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
             self.k_cache[i].scatter_(2, index, k.transpose(1, 2))
             self.v_cache[i].scatter_(2, index, v.view(bs, t, c.kv_heads, c.head_dim).transpose(1, 2))
             x = x + F.linear(grouped_attention(q, self.k_cache[i], self.v_cache[i], visible), w["o"])
