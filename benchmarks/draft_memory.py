@@ -50,7 +50,9 @@ def measure(bs: int, device: str, full: bool) -> dict:
 
     cfg = parse_drafter_config(QWEN3_4B_DRAFTER)
     dtype = torch.bfloat16
+    # joined as the serving stage holds it (DraftStage): its products read the weights in place
     drafter = MFDDrafter(cfg, context_features=len(cfg.target_layer_ids) * cfg.hidden_size).to(device, dtype)
+    drafter.join_projections()
     vocab, hidden = cfg.vocab_size, cfg.hidden_size
     embed = torch.empty(vocab, hidden, device=device, dtype=dtype).normal_(std=0.02)
     head = torch.empty(vocab, hidden, device=device, dtype=dtype).normal_(std=0.02)

@@ -201,7 +201,7 @@ def random_drafter(c: TargetConfig, target_layer_ids: list[int], num_modes: int,
     drafter.requires_grad_(False)
     if num_modes > 1:  # distinct modes, on the scale of the embeddings they are added to
         drafter.mode_embed.normal_(0.0, 0.02)
-    return drafter.to(dtype).eval()
+    return drafter.to(dtype).eval().join_projections()  # as the serving stage holds it
 
 
 class SpecRound:

@@ -194,7 +194,7 @@ def joined(params: list[torch.Tensor | None]) -> torch.Tensor | None:
     offset = first.storage_offset()
     for p in params:
         if not (p.is_contiguous() and p.storage_offset() == offset
-                and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
+                and p.untyped_storage()._cdata == first.untyped_storage()._cdata):  # one storage (no data read)
             return torch.cat(params)
         offset += p.numel()
     rows = sum(p.shape[0] for p in params)

@@ -170,7 +170,7 @@ class SpeculativeGenerator:
         ckpt = load_drafter(drafter_path)
         check_fits_target(ckpt, target_path)
         target = load_target(target_path, dtype=dtype, device=device)
-        drafter = MFDDrafter.from_checkpoint(ckpt, dtype=dtype).to(device)
+        drafter = MFDDrafter.from_checkpoint(ckpt, dtype=dtype).to(device).join_projections()
         return cls(target, drafter, **kwargs)
 
     # --- prefill --------------------------------------------------------------------------------

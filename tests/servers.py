@@ -214,7 +214,12 @@ def resolve(tiny_pair, *argvs: list[str], env: dict | None = None, with_log: boo
     of an MFD launch of the tiny pair with each extra argument list (a later flag overrides the launch's:
     e.g. another --speculative-draft-model-path), under the environment variables `env`: the resolved
     layout and the MFD flags given (`mfd_options`), or the refusal's message; with_log: (those, the warnings logged, all cases together)."""
-    cases = [(argv, env or {}) for argv in argvs]
+    return resolve_cases(tiny_pair, [(argv, env or {}) for argv in argvs], with_log=with_log)
+
+
+def resolve_cases(tiny_pair, cases: list[tuple[list[str], dict]], *, with_log: bool = False):
+    """`resolve` of (extra arguments, environment variables) cases, each under its own environment, in one
+    process (SGLang is imported once)."""
     out = subprocess.run([sys.executable, "-c", RESOLVE, str(tiny_pair), json.dumps(cases)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,17 +1,19 @@
 """Fewer modes per request (issue 43 item 4) in real SGLang CPU servers (tiny pair, fp32), with the tiny MFD
 drafter given a random mode gate (K = 4): each request drafts its K' best modes under the gate.
 
-- MFD_SGLANG_NUM_MODES=2 with a fixed budget: every round drafts the gate's 2 best modes of each request;
+Both servers take the options as the README writes them (no --max-running-requests: MFD's 48).
+
+- `--mfd-num-modes 2` with a fixed budget: every round drafts the gate's 2 best modes of each request;
   greedy output is the target's, six at a time and alone (`servers.run_six_and_one`); alone, a request's
   rounds are the reference engine's with the gate's 2 best modes (as many rounds, the same histogram of
   accepted draft tokens) on prompts where drafting all 4 modes accepts otherwise (so a worker that drafted
   every mode would fail it), the accept length asserted and reported; seeded sampling on a law with spread
   is the reference sampler's.
-- The automatic budget: its paths are K, the gate's best 2 and best 1 (`budget.mode_paths`); it plays
-  each path's largest tree first (their acceptance is unmeasured), so rounds of every path run; the
-  output stays the target's through the switches, and every request's rounds, as the round-trace test
-  plugin logs them (the arm the draft stage drafted, the tokens accepted), are the reference engine's for
-  the same arms round by round, which drafting every round with all modes is not.
+- `--mfd-auto-budget --mfd-mode-subsets on`: its paths are K, the gate's best 2 and best 1
+  (`budget.mode_paths`); it plays each path's largest tree first (their acceptance is unmeasured), so rounds
+  of every path run; the output stays the target's through the switches, and every request's rounds, as the
+  round-trace test plugin logs them (the arm the draft stage drafted, the tokens accepted), are the reference
+  engine's for the same arms round by round, which drafting every round with all modes is not.
 - MFD_SGLANG_MODE_SUBSETS=1 is refused on SGLang's real argument resolution without a gate or without the
   automatic budget.
 """
@@ -28,7 +30,7 @@ from mfd_sglang.checkpoint import load_drafter, save_drafter
 from mfd_sglang.hf import SpeculativeGenerator
 from references import (SPREAD_LAW, assert_served_as_reference_rounds, request_law, served_summary, spread_samples,
                         verify_summary)
-from servers import (generate_ids, log_tail, plugin_env, resolve, round_traces, run_six_and_one,
+from servers import (generate_ids, log_tail, plugin_env, resolve_cases, round_traces, run_six_and_one,
                      served_without_leaks, start_server)
 
 BUDGET = 16
@@ -53,15 +55,16 @@ def gated_drafter(tiny_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_modes_server(tiny_pair, gated_drafter, tmp_path_factory):
-    srv = start_server(tmp_path_factory, tiny_pair, gated_drafter, "MFD", BUDGET, max_running=6, log_level="info",
-                       extra_env={"MFD_SGLANG_NUM_MODES": "2", "MFD_SGLANG_AUTO_BUDGET": "0"})
+    srv = start_server(tmp_path_factory, tiny_pair, gated_drafter, "MFD", BUDGET, log_level="info",
+                       extra_args=("--mfd-num-modes", "2"))
     yield from served_without_leaks(srv)
 
 
 @pytest.fixture(scope="module")
 def auto_server(tiny_pair, gated_drafter, tmp_path_factory):
-    srv = start_server(tmp_path_factory, tiny_pair, gated_drafter, "MFD", BUDGET, max_running=6, log_level="info",
-                       extra_env={"MFD_SGLANG_AUTO_BUDGET": "1", **plugin_env("round_trace")})
+    srv = start_server(tmp_path_factory, tiny_pair, gated_drafter, "MFD", BUDGET, log_level="info",
+                       extra_args=("--mfd-auto-budget", "--mfd-mode-subsets", "on"),
+                       extra_env=plugin_env("round_trace"))
     yield from served_without_leaks(srv)
 
 
@@ -111,12 +114,11 @@ def test_the_automatic_budget_drafts_every_mode_subset_as_the_reference_rounds(a
 
 def test_mode_subsets_are_refused_without_a_gate_or_the_automatic_budget(tiny_pair, gated_drafter):
     gated = ["--speculative-draft-model-path", str(gated_drafter)]
-    [no_auto] = resolve(tiny_pair, gated, env={"MFD_SGLANG_MODE_SUBSETS": "1"})
+    both = {"MFD_SGLANG_MODE_SUBSETS": "1", "MFD_SGLANG_AUTO_BUDGET": "1"}
+    no_auto, ok, ungated, off = resolve_cases(tiny_pair, [(gated, {"MFD_SGLANG_MODE_SUBSETS": "1"}), (gated, both),
+                                                          ([], both), ([], {"MFD_SGLANG_MODE_SUBSETS": "0"})])
     assert "MFD_SGLANG_MODE_SUBSETS=1: the automatic budget" in no_auto.get("error", "") and \
         "needs --mfd-auto-budget. Drop it." in no_auto.get("error", ""), no_auto
-    [ok] = resolve(tiny_pair, gated, env={"MFD_SGLANG_MODE_SUBSETS": "1", "MFD_SGLANG_AUTO_BUDGET": "1"})
     assert "error" not in ok, ok
-    [ungated] = resolve(tiny_pair, [], env={"MFD_SGLANG_MODE_SUBSETS": "1", "MFD_SGLANG_AUTO_BUDGET": "1"})
     assert "needs a drafter with a mode gate (the one at" in ungated.get("error", ""), ungated
-    [off] = resolve(tiny_pair, [], env={"MFD_SGLANG_MODE_SUBSETS": "0"})
     assert "error" not in off, off

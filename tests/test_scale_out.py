@@ -29,7 +29,7 @@ import requests
 
 from conftest import reference_drafter, target_greedy
 from references import SPREAD_LAW, assert_served_as_reference_rounds, request_law, spread_samples
-from servers import (Served, generate_ids, log_tail, plugin_env, resolve, round_traces, served_without_leaks,
+from servers import (Served, generate_ids, log_tail, plugin_env, resolve, resolve_cases, round_traces, served_without_leaks,
                      start_server)
 
 MAX_NEW = 16
@@ -61,12 +61,12 @@ def test_pd_under_attention_dp_is_refused_on_either_server(tiny_pair):
 
 def test_attention_dp_with_dp_lm_head_passes_in_either_spelling_and_its_limits_are_refused(tiny_pair):
     attention_dp = ["--tp-size", "2", "--attn-dp-size", "2", "--enable-dp-lm-head"]
-    new, old = resolve(tiny_pair, attention_dp, ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
-                                                 "--enable-dp-lm-head"])
+    new, old, coordinated, auto = resolve_cases(tiny_pair, [
+        (attention_dp, {}), (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--enable-dp-lm-head"], {}),
+        (attention_dp, {"SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION": "1"}),
+        (attention_dp, {"MFD_SGLANG_AUTO_BUDGET": "1"})])
     assert new == old == {"dp_size": 1, "attn_dp_size": 2, "mfd_options": {}}
-    [coordinated] = resolve(tiny_pair, attention_dp, env={"SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION": "1"})
     assert "with SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION set" in coordinated.get("error", ""), coordinated
-    [auto] = resolve(tiny_pair, attention_dp, env={"MFD_SGLANG_AUTO_BUDGET": "1"})
     assert "MFD_SGLANG_AUTO_BUDGET=1 with --tp-size 2" in auto.get("error", ""), auto
 
 
