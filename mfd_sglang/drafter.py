@@ -359,7 +359,7 @@ class MFDDrafter(nn.Module):
         """Per-layer context keys/values for new context tokens (appended to the draft cache).
 
         Every layer projects the same context, so all layers' keys come from one product and their values
-        from another (`stacked_context_projections`), normed in one op (each layer's k-norm weight applied
+        from another (`joined`), normed in one op (each layer's k-norm weight applied
         after) and rotated in one: a commit's launches do not grow with the layers. FP8 linears (their own
         scales per layer) take each layer's `keys_values` instead."""
         ctx = self.project_context(target_hidden)
