@@ -29,8 +29,8 @@ import requests
 
 from conftest import reference_drafter, target_greedy
 from references import SPREAD_LAW, assert_served_as_reference_rounds, request_law, spread_samples
-from servers import (Served, generate_ids, log_tail, plugin_env, resolve, resolve_cases, round_traces, served_without_leaks,
-                     start_server)
+from servers import (Served, generate_ids, log_tail, plugin_env, resolve, resolve_cases, round_traces,
+                     served_without_leaks, start_server)
 
 MAX_NEW = 16
 DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per replica

@@ -134,7 +134,8 @@ def test_launch_turns_split_kv_verify_off(tiny_pair):
     from mfd_sglang.serving.launch import resolve_server_args
 
     args = SimpleNamespace(speculative_algorithm="MFD", speculative_draft_model_path=str(tiny_pair / "drafter"),
-                           model_path=str(tiny_pair / "target"), dtype="float32", tp_size=1, speculative_num_draft_tokens=9, speculative_num_steps=None, speculative_eagle_topk=None,
+                           model_path=str(tiny_pair / "target"), dtype="float32", tp_size=1,
+                           speculative_num_draft_tokens=9, speculative_num_steps=None, speculative_eagle_topk=None,
                            enable_mixed_chunk=False, device="cpu", max_running_requests=None,
                            attention_backend="mfd_cpu", prefill_attention_backend=None,
                            decode_attention_backend=None)
