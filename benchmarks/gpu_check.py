@@ -12,7 +12,8 @@ gpu_check.sh sets one deadline for the whole call (MFD_GPU_CHECK_DEADLINE), IEEE
 Part 1, most truth first (a section starts only while time is left; what the deadline cuts is reported):
   env            versions, nvidia-smi, nvcc / gcc, the kit install, and SGLang's engine importing against the
                  kit with MFD registered (a subprocess, as a server process does it)
-  tree           Triton mixture-tree kernel vs the torch reference, bit-identical, no host sync (few shapes)
+  tree           Triton mixture-tree kernel and tree walks (layout, accept) vs the torch references,
+                 bit-identical, no host sync (few shapes)
   tree_mask      every attention backend MFD allows applies the tree mask, eager and from a CUDA graph
   graph_tests    the CUDA-graph tests that need no server (tests/test_cuda_graph.py, tests/test_serving.py)
   servers_tiny   the make-tiny pair (carried), fp32, CUDA graphs + overlap: plain, MFD, MFD_D; exact tokens
@@ -47,6 +48,7 @@ nothing failed or erred.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import importlib
 import itertools
@@ -71,6 +73,8 @@ from mfd_sglang.cuda_graph import host_syncs_raise  # noqa: E402
 from mfd_sglang.mode_attention import mode_attention, random_inputs  # noqa: E402
 from mfd_sglang.timing import mean_ms  # noqa: E402
 from mfd_sglang.tree import DraftTree, build_mixture_tree  # noqa: E402
+from mfd_sglang.tree_layout import tree_to_verify_layout  # noqa: E402
+from mfd_sglang.verify import accept_path  # noqa: E402
 from round_cost import STAGES as ROUND_STAGES, print_round_cost, round_cost_rows  # noqa: E402
 from tree_build import time_build  # noqa: E402
 
@@ -194,6 +198,22 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
         and torch.equal(a.scores.float(), b.scores.float())
 
 
+def same_walks(tree: DraftTree, device: str) -> tuple[bool, int]:
+    """The Triton walks (`kernels.tree_walk`: verify layout, accepted path) equal the torch ones, without a
+    host sync, for a target that follows each node's first child (deep paths); also the longest accept."""
+    bs = tree.tokens.shape[0]
+    roots, seq_lens = torch.arange(bs, device=device), torch.arange(bs, device=device) + 100
+    layout = tree_to_verify_layout(tree, roots, seq_lens, backend="torch")
+    target = layout.draft_token.gather(1, layout.retrive_next_token.clamp(min=0))
+    result = accept_path(tree, target, backend="torch")
+    with host_syncs_raise(device):
+        fast = (tree_to_verify_layout(tree, roots, seq_lens, backend="triton"),
+                accept_path(tree, target, backend="triton"))
+    same = all(torch.equal(getattr(want, f.name), getattr(have, f.name))
+               for want, have in zip((layout, result), fast) for f in dataclasses.fields(want))
+    return same, int(result.accept_lens.max())
+
+
 def tree_rows(check: Check, shapes) -> Iterator[dict]:
     for (bs, k, d, v, budget), dtype in itertools.product(shapes, (torch.float32, torch.bfloat16)):
         def compare(row):
@@ -201,7 +221,8 @@ def tree_rows(check: Check, shapes) -> Iterator[dict]:
             reference = build_mixture_tree(logprobs, budget, backend="torch")
             with host_syncs_raise(check.device):
                 fast = build_mixture_tree(logprobs, budget, backend="triton")
-            row["ok"] = same_tree(reference, fast)
+            walks_ok, row["walk_accept_len"] = same_walks(reference, check.device)
+            row["ok"] = same_tree(reference, fast) and walks_ok
 
         yield measured_row({"bs": bs, "K": k, "D": d, "V": v, "B": budget, "dtype": str(dtype).removeprefix("torch.")},
                            compare)

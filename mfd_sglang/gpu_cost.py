@@ -414,6 +414,8 @@ def compile_kernel(launch: TritonLaunch, arch: int) -> CompiledLaunch:
                           compiled.metadata.shared + int(resources["SHARED"]), len(addresses), loops, addresses)
 
 
+SERVED_TREE_DEPTH = 15  # the deepest tree of a block-16 drafter (Qwen3 DFlash drafters): the walks' trips
+
 # Total trips of each loop of a kernel (in the order of their backward branches in SASS), for the issue-bound
 # estimate: kernel name -> (what the loops are, launch -> [trips]).
 SERIAL_LOOPS: dict[str, tuple[str, Callable[[TritonLaunch], list[int]]]] = {
@@ -430,6 +432,9 @@ SERIAL_LOOPS: dict[str, tuple[str, Callable[[TritonLaunch], list[int]]]] = {
         lambda l: [l.args["tiles_per_split"] * -(-l.args["H"] // l.args["BLOCK_H"]), l.args["tiles_per_split"]]),
     "_quantize_rows_kernel": ("the row's two passes of BLOCK columns",
                               lambda l: [-(-l.args["K"] // l.args["BLOCK"])] * 2),
+    "_verify_layout_kernel": ("the walk up the parent links: the tree's depth, at most the drafter's block - 1 "
+                              f"({SERVED_TREE_DEPTH} at the served shapes)", lambda l: [SERVED_TREE_DEPTH]),
+    "_accept_path_kernel": ("the walk up the parent links (as the layout's)", lambda l: [SERVED_TREE_DEPTH]),
 }
 
 

@@ -90,7 +90,8 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
       tree          `DraftStage.tree_of` up to its layout: the Triton mixture tree, draft -> target ids;
       layout        `tree_to_verify_layout` (SGLang's traversal + the ancestor mask);
       verify_input  `layout_verify_input`: SGLang's flat custom mask of the windows;
-      accept        `accept_tree` over the target's bf16 logits [bs * (B + 1), V], `pad_result`;
+      accept        `accept_tree` over the target's logits [bs * (B + 1), V] (float32: SGLang 0.5.23's logits
+                    processor casts them), `pad_result`;
       commit        `commit_round`: the drafter context K/V of root + path into the pool.
     Not counted: SGLang's own work around them (`eagle_prepare_for_verify`, the target forward,
     `move_accept_tokens_to_target_kvcache`)."""
@@ -115,7 +116,7 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
         roots = torch.zeros(s.bs, dtype=torch.int64, device="cuda")
         seq_lens = torch.full((s.bs,), s.context_len, dtype=torch.int64, device="cuda")
         requests = torch.arange(s.bs, device="cuda")
-        logits = torch.empty(s.bs * nodes, cfg.vocab, device="cuda", dtype=DTYPE)
+        logits = torch.empty(s.bs * nodes, cfg.vocab, device="cuda", dtype=torch.float32)
         hidden = torch.empty(s.bs, nodes, drafter.fc.in_features, device="cuda", dtype=DTYPE)
         window_slots = torch.empty(s.bs, nodes, device="cuda", dtype=torch.int64)
         batch = SimpleNamespace(sampling_info=SimpleNamespace(is_all_greedy=True, logit_bias=None,

@@ -6,7 +6,8 @@ i.e. best first. Padding nodes (valid False) keep their slot so every shape is f
 links to them: their token is 0, their position seq_len + 1 and their mask row sees the prefix,
 the root and themselves.
 
-Everything but `full_custom_mask` without `total_len` is fixed-shape and host-sync free.
+Everything but `full_custom_mask` without `total_len` is fixed-shape and host-sync free. On CUDA the
+layout is one Triton launch (`mfd_sglang.kernels.tree_walk`, bit-identical to the torch reference here).
 """
 
 from dataclasses import dataclass
@@ -54,14 +55,30 @@ def tree_ancestor_mask(tree: DraftTree) -> Tensor:
     return reach
 
 
-def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor) -> VerifyLayout:
+def walk_backend(backend: str | None, tensor: Tensor) -> str:
+    """The tree walks' backend: "torch" (the references) or "triton" (`kernels.tree_walk`); None picks
+    Triton on CUDA (and for a non-empty batch), else torch."""
+    if backend is None:
+        return "triton" if tensor.is_cuda and tensor.shape[0] > 0 else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', not {backend!r}")
+    return backend
+
+
+def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor,
+                          backend: str | None = None) -> VerifyLayout:
     """The verify layout of a batched tree ([bs, budget] fields).
 
     root_tokens: [bs] the last verified token of each request.
     seq_lens: [bs] tokens already in the KV cache before the root.
+    backend: see `walk_backend`.
     """
     if tree.tokens.dim() != 2:
         raise ValueError("tree_to_verify_layout needs a batched tree ([bs, budget] fields)")
+    if walk_backend(backend, tree.tokens) == "triton":
+        from mfd_sglang.kernels.tree_walk import verify_layout_triton
+
+        return verify_layout_triton(tree, root_tokens, seq_lens)
     bs, budget = tree.tokens.shape
     num_nodes = budget + 1
     device = tree.tokens.device
