@@ -67,25 +67,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm); delta None: (x, its RMSNorm). The sum and its norm in one launch on the
+    "triton" backend (`kernels/residual_mlp.py`)."""
+    if delta is None:
+        return x, rms_norm(x, weight, eps)
+    if backend == "triton":
+        from mfd_sglang.kernels.residual_mlp import add_rms_norm
+
+        return add_rms_norm(x, delta, weight, eps)
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    """[head_dim / 2] float32: the inverse frequencies of HF's 'default' rope."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos and signed-sin tables [..., head_dim] for integer positions [...] (HF 'default' rope, half-rotation):
     cos of the angles twice, their sin with the first copy negated (what `apply_rope` multiplies)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.float()[..., None] * inv_freq
+    angles = positions.float()[..., None] * rope_inv_freq(head_dim, theta, positions.device)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 class Rope(NamedTuple):
-    """A round's rope tables [bs, T, 1, head_dim] (broadcast over heads), made once and read by every layer."""
+    """A round's rope, made once and read by every layer: the tables [bs, T, 1, head_dim] (broadcast over
+    heads) of the torch path, or (`positions_only`) the positions [bs, T] and inverse frequencies the Triton
+    norm + rope makes them from in its own registers."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    positions: torch.Tensor
+    inv_freq: torch.Tensor | None = None
 
     @classmethod
     def at(cls, positions: torch.Tensor, cfg: DrafterConfig, dtype: torch.dtype) -> "Rope":
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
-        return cls(cos[:, :, None], sin[:, :, None])
+        return cls(cos[:, :, None], sin[:, :, None], positions)
+
+    @classmethod
+    def positions_only(cls, positions: torch.Tensor, inv_freq: torch.Tensor) -> "Rope":
+        return cls(None, None, positions, inv_freq)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -252,35 +278,66 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
 
-    def keys_values(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values [bs, kv_heads, T, hd] for inputs x [bs, T, H] under the rope
-        tables of their positions."""
+    def projected_keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k and v projections [bs, T, kv_heads, hd] of inputs x [bs, T, H] (before norm and rope)."""
         bs, t, _ = x.shape
-        k = self.k_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)
-        k = apply_rope(rms_norm(k, self.k_norm, self.cfg.rms_norm_eps), rope.cos, rope.sin)
+        return tuple(proj(x).view(bs, t, self.num_kv_heads, self.head_dim) for proj in (self.k_proj, self.v_proj))
+
+    def keys_values(self, x: torch.Tensor, rope: Rope, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [bs, kv_heads, T, hd] for inputs x [bs, T, H] under the rope
+        of their positions (`queries_keys_values`'s backends)."""
+        k, v = self.projected_keys_values(x)
+        if backend == "triton":
+            from mfd_sglang.kernels.norm_rope import norm_rope_
+
+            norm_rope_(None, None, k, self.k_norm, rope.positions, rope.inv_freq, self.cfg.rms_norm_eps)
+        else:
+            k = apply_rope(rms_norm(k, self.k_norm, self.cfg.rms_norm_eps), rope.cos, rope.sin)
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rope: Rope, attend) -> torch.Tensor:
-        """x [bs, K*T, H] (mode-major), rope: the tables of its positions [bs, K*T]; `attend(q, k, v)` joins
-        the block's queries / keys / values [bs, heads, K*T, hd] (views of [bs, K*T, heads, hd]) with the
-        context (`dense_attention` or a paged context's mode attention) and returns [bs, heads, K*T, hd]."""
+    def queries_keys_values(self, h: torch.Tensor, rope: Rope, backend: str) -> tuple[torch.Tensor, ...]:
+        """Queries, keys (each normed, rotated) and values [bs, heads, T, hd] (views of [bs, T, heads, hd]) of
+        inputs h [bs, T, H]; backend "triton": q and k normed and rotated in place in one launch
+        (`kernels/norm_rope.py`), else torch (`rms_norm`, `apply_rope`)."""
+        bs, t, _ = h.shape
+        q = self.q_proj(h).view(bs, t, self.num_heads, self.head_dim)
+        if backend == "triton":
+            from mfd_sglang.kernels.norm_rope import norm_rope_
+
+            k, v = self.projected_keys_values(h)
+            norm_rope_(q, self.q_norm, k, self.k_norm, rope.positions, rope.inv_freq, self.cfg.rms_norm_eps)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = apply_rope(rms_norm(q, self.q_norm, self.cfg.rms_norm_eps), rope.cos, rope.sin)
+        return (q.transpose(1, 2), *self.keys_values(h, rope))
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: Rope, attend,
+                backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x + delta [bs, K*T, H] (mode-major; delta None: x alone) through the layer, as
+        (its stream after attention, the MLP's output): the next layer (or the final norm) adds them, in one
+        launch with its norm on the "triton" backend (`MFDDrafter.kernel_backend`). rope: the tables of its
+        positions [bs, K*T]; `attend(q, k, v)` joins the block's queries / keys / values [bs, heads, K*T, hd]
+        (views of [bs, K*T, heads, hd]) with the context (`dense_attention` or a paged context's mode
+        attention) and returns [bs, heads, K*T, hd]."""
         bs, rows, _ = x.shape
         eps = self.cfg.rms_norm_eps
-        h = rms_norm(x, self.input_layernorm, eps)
-        q = self.q_proj(h).view(bs, rows, self.num_heads, self.head_dim)
-        q = apply_rope(rms_norm(q, self.q_norm, eps), rope.cos, rope.sin).transpose(1, 2)
-        k, v = self.keys_values(h, rope)
-        attn = attend(q, k, v)
+        x, h = residual_rms_norm(x, delta, self.input_layernorm, eps, backend)
+        attn = attend(*self.queries_keys_values(h, rope, backend))
         # A view when attend's output is laid out [bs, K*T, heads, hd] (mode attention's is); else a copy.
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(bs, rows, -1))
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, eps))
+        x, h = residual_rms_norm(x, self.o_proj(attn.transpose(1, 2).reshape(bs, rows, -1)),
+                                 self.post_attention_layernorm, eps, backend)
+        return x, self.mlp(h, backend)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        """SwiGLU; gate and up from one product (`joined`) where both are plain linears."""
+    def mlp(self, h: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """SwiGLU; gate and up from one product (`joined`) where both are plain linears, then SiLU(gate) x up
+        in one launch on the "triton" backend."""
         if not plain_linears(self.gate_proj, self.up_proj):
             return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        gate, up = F.linear(h, joined([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        gate_up = F.linear(h, joined([self.gate_proj.weight, self.up_proj.weight]))
+        if backend == "triton":
+            from mfd_sglang.kernels.residual_mlp import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -298,6 +355,10 @@ class MFDDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, context_features: int):
         super().__init__()
         self.cfg = cfg
+        # The fused steps of the layers and the context keys (norm + rope, residual add + norm, SiLU x up):
+        # "torch" (training, CPU) or "triton" (set by `join_projections` on CUDA).
+        self.kernel_backend = "torch"
+        self.rope_inv_freq: torch.Tensor | None = None  # float32, on the weights' device (`join_projections`)
         h = cfg.hidden_size
         self.fc = nn.Linear(context_features, h, bias=False)
         self.hidden_norm = nn.Parameter(torch.ones(h))
@@ -354,40 +415,52 @@ class MFDDrafter(nn.Module):
         """Concatenated target-layer hidden states [bs, L, n_ctx*H] -> drafter context [bs, L, H]."""
         return rms_norm(self.fc(target_hidden), self.hidden_norm, self.cfg.rms_norm_eps)
 
-    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor,
-                   valid: torch.Tensor | None = None) -> DraftContext:
-        """Per-layer context keys/values for new context tokens (appended to the draft cache).
+    def context_rows(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's context keys (normed, rotated) and values [bs, T, layers, kv_heads, hd] of new context
+        tokens: target hidden states [bs, T, F] at positions [bs, T].
 
         Every layer projects the same context, so all layers' keys come from one product and their values
-        from another (`joined`), normed in one op (each layer's k-norm weight applied
-        after) and rotated in one: a commit's launches do not grow with the layers. FP8 linears (their own
-        scales per layer) take each layer's `keys_values` instead."""
+        from another (`joined`), normed in one op (each layer's k-norm weight applied after) and rotated in one
+        (both in one launch on the "triton" `kernel_backend`): a commit's launches do not grow with the
+        layers. FP8 linears (their own scales per layer) take each layer's `keys_values` instead."""
         ctx = self.project_context(target_hidden)
-        rope = Rope.at(positions, self.cfg, ctx.dtype)
+        rope = self.rope_at(positions, ctx.dtype)
         layers = self.layers
         if not plain_linears(*(m for layer in layers for m in (layer.k_proj, layer.v_proj))):
-            keys, values = zip(*(layer.keys_values(ctx, rope) for layer in layers))
-        else:
-            bs, t, _ = ctx.shape
-            shape = (bs, t, len(layers), self.cfg.num_key_value_heads, self.cfg.head_dim)
-            k, v = (F.linear(ctx, joined([getattr(layer, name).weight for layer in layers]),
-                             joined([getattr(layer, name).bias for layer in layers])).view(shape)
-                    for name in ("k_proj", "v_proj"))
-            k_norm = joined([layer.k_norm for layer in layers]).view(len(layers), 1, -1)
-            k = apply_rope(F.rms_norm(k, shape[-1:], None, self.cfg.rms_norm_eps) * k_norm,
-                           rope.cos[:, :, None], rope.sin[:, :, None])
-            keys = [k[:, :, i].transpose(1, 2) for i in range(len(layers))]
-            values = [v[:, :, i].transpose(1, 2) for i in range(len(layers))]
+            keys, values = zip(*(layer.keys_values(ctx, rope, self.kernel_backend) for layer in layers))
+            return tuple(torch.stack([x.transpose(1, 2) for x in rows], dim=2) for rows in (keys, values))
+        bs, t, _ = ctx.shape
+        shape = (bs, t, len(layers), self.cfg.num_key_value_heads, self.cfg.head_dim)
+        k, v = (F.linear(ctx, joined([getattr(layer, name).weight for layer in layers]),
+                         joined([getattr(layer, name).bias for layer in layers])).view(shape)
+                for name in ("k_proj", "v_proj"))
+        k_norm = joined([layer.k_norm for layer in layers]).view(len(layers), 1, -1)
+        if self.kernel_backend == "triton":
+            from mfd_sglang.kernels.norm_rope import norm_rope_
+
+            norm_rope_(None, None, k.view(bs, t, -1, shape[-1]), k_norm, positions, rope.inv_freq,
+                       self.cfg.rms_norm_eps)
+            return k, v
+        return apply_rope(F.rms_norm(k, shape[-1:], None, self.cfg.rms_norm_eps) * k_norm,
+                          rope.cos[:, :, None], rope.sin[:, :, None]), v
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor,
+                   valid: torch.Tensor | None = None) -> DraftContext:
+        """Per-layer context keys/values [bs, kv_heads, T, hd] for new context tokens (`context_rows`, appended
+        to the draft cache)."""
+        k, v = self.context_rows(target_hidden, positions)
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        return DraftContext(list(keys), list(values), positions, valid)
+        return DraftContext([k[:, :, i].transpose(1, 2) for i in range(k.shape[2])],
+                            [v[:, :, i].transpose(1, 2) for i in range(v.shape[2])], positions, valid)
 
     def join_projections(self) -> "MFDDrafter":
         """Serving: the parameters read by one product each become views of one tensor (`join_in_place`): all
         layers' k_proj, v_proj (weights, biases) and k-norms for `context_kv`, each layer's gate and up
         projections for its MLP. No memory is added; the products read them in place instead of concatenating
         them per call. Plain linears only (not after `quantize_linears_fp8`); a later cast copies them apart
-        again (the products then concatenate per call). Returns self."""
+        again (the products then concatenate per call). On CUDA the layers' fused steps run on Triton
+        (`kernel_backend`). Returns self."""
         layers = self.layers
         if plain_linears(*(m for layer in layers for m in (layer.k_proj, layer.v_proj))):
             for name in ("k_proj", "v_proj"):
@@ -397,7 +470,15 @@ class MFDDrafter(nn.Module):
         for layer in layers:
             if plain_linears(layer.gate_proj, layer.up_proj):
                 join_in_place([(layer.gate_proj, "weight"), (layer.up_proj, "weight")])
+        self.kernel_backend = "triton" if self.fc.weight.is_cuda else "torch"
+        self.rope_inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.fc.weight.device)
         return self
+
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rope of positions [bs, T] for `kernel_backend`: the tables (torch), or the positions alone."""
+        if self.kernel_backend == "triton":
+            return Rope.positions_only(positions, self.rope_inv_freq)
+        return Rope.at(positions, self.cfg, dtype)
 
     def mode_vectors(self, single_mode: bool) -> torch.Tensor:
         """[K', H]: the K mode embeddings, or the one vector of the default (single-mode) path."""
@@ -432,10 +513,11 @@ class MFDDrafter(nn.Module):
                        for i in range(len(self.layers))]
         else:  # a paged context (mfd_sglang.serving.draft_context_pool.PagedDraftContext)
             attends = [context.attend(i, num_modes=k) for i in range(len(self.layers))]
-        rope = Rope.at(positions, self.cfg, x.dtype)
+        rope = self.rope_at(positions, x.dtype)
+        delta = None
         for layer, attend in zip(self.layers, attends):
-            x = layer(x, rope, attend)
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps).view(bs, k, t, h)
+            x, delta = layer(x, delta, rope, attend, self.kernel_backend)
+        x = residual_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps, self.kernel_backend)[1].view(bs, k, t, h)
         drafted = x[:, :, 1:].contiguous()
         return (drafted, x[:, :, 0]) if with_anchor else drafted
 

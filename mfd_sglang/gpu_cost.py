@@ -30,7 +30,8 @@ scatter_, scatter_add_, scatter_reduce_, index_copy_) write only their source's 
 
 Compiles (`compile_kernel`): a recorded Triton launch compiled with `triton.compile` for a target GPU
 (Triton's bundled ptxas, no GPU needed) at the launch's own signature and constexprs; registers, local
-memory (spills: Triton kernels keep no local arrays, so local bytes are ptxas spills), shared memory
+memory (ptxas spills, and the 28-byte array of libdevice's sin / cos range reduction where a kernel calls
+them: Triton keeps no local arrays of its own), shared memory
 (Triton's dynamic allocation + the cubin's static), SASS instructions (cuobjdump) and its loops
 (backward branches).
 
@@ -367,7 +368,7 @@ class CompiledLaunch:
     name: str
     arch: int
     registers: int
-    local_bytes: int  # ptxas spills (Triton kernels keep no local arrays)
+    local_bytes: int  # ptxas spills, libdevice sin / cos's range-reduction array
     shared_bytes: int  # Triton's dynamic allocation + the cubin's static shared memory
     sass_instructions: int
     loops: list[tuple[int, int]] = field(default_factory=list)  # (first, last) instruction of each loop

@@ -7,7 +7,8 @@ links to them: their token is 0, their position seq_len + 1 and their mask row s
 the root and themselves.
 
 Everything but `full_custom_mask` without `total_len` is fixed-shape and host-sync free. On CUDA the
-layout is one Triton launch (`mfd_sglang.kernels.tree_walk`, bit-identical to the torch reference here).
+layout is one Triton launch (`mfd_sglang.kernels.tree_walk`) and the custom mask two
+(`mfd_sglang.kernels.verify_mask`), bit-identical to the torch references here.
 """
 
 from dataclasses import dataclass
@@ -55,9 +56,10 @@ def tree_ancestor_mask(tree: DraftTree) -> Tensor:
     return reach
 
 
-def walk_backend(backend: str | None, tensor: Tensor) -> str:
-    """The tree walks' backend: "torch" (the references) or "triton" (`kernels.tree_walk`); None picks
-    Triton on CUDA (and for a non-empty batch), else torch."""
+def layout_backend(backend: str | None, tensor: Tensor) -> str:
+    """The backend of the verify layout, its custom mask and the accepted path: "torch" (the references) or
+    "triton" (`kernels.tree_walk`, `kernels.verify_mask`); None picks Triton on CUDA (and for a non-empty
+    batch), else torch."""
     if backend is None:
         return "triton" if tensor.is_cuda and tensor.shape[0] > 0 else "torch"
     if backend not in ("torch", "triton"):
@@ -71,11 +73,11 @@ def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor
 
     root_tokens: [bs] the last verified token of each request.
     seq_lens: [bs] tokens already in the KV cache before the root.
-    backend: see `walk_backend`.
+    backend: see `layout_backend`.
     """
     if tree.tokens.dim() != 2:
         raise ValueError("tree_to_verify_layout needs a batched tree ([bs, budget] fields)")
-    if walk_backend(backend, tree.tokens) == "triton":
+    if layout_backend(backend, tree.tokens) == "triton":
         from mfd_sglang.kernels.tree_walk import verify_layout_triton
 
         return verify_layout_triton(tree, root_tokens, seq_lens)
@@ -104,18 +106,22 @@ def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor
 
 
 def full_custom_mask(
-    ancestor_mask: Tensor, seq_lens: Tensor, total_len: int | None = None
+    ancestor_mask: Tensor, seq_lens: Tensor, total_len: int | None = None, backend: str | None = None
 ) -> Tensor:
     """SGLang's FULL_MASK custom_mask: flat bool, per request a row-major N x (seq_len + N) block.
 
     Prefix columns are True, tree columns are `ancestor_mask`; request b starts at
     N * sum(seq_lens[:b]) + b * N * N. `total_len` must be N * sum(seq_lens) + bs * N * N; when it
-    is None it is read from `seq_lens`, which syncs with the device.
+    is None it is read from `seq_lens`, which syncs with the device. backend: see `layout_backend`.
     """
     bs, num_nodes, _ = ancestor_mask.shape
-    seq_lens = seq_lens.long()
     if total_len is None:
-        total_len = num_nodes * int(seq_lens.sum()) + bs * num_nodes * num_nodes
+        total_len = num_nodes * int(seq_lens.long().sum()) + bs * num_nodes * num_nodes
+    if layout_backend(backend, ancestor_mask) == "triton":
+        from mfd_sglang.kernels.verify_mask import full_custom_mask_triton
+
+        return full_custom_mask_triton(ancestor_mask, seq_lens, total_len)
+    seq_lens = seq_lens.long()
     requests = torch.arange(bs, device=seq_lens.device)
     nodes = torch.arange(num_nodes, device=seq_lens.device)
     row_lens = seq_lens + num_nodes

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mfd_sglang.tree import DraftTree
-from mfd_sglang.tree_layout import local_parents, tree_ancestor_mask, walk_backend, with_root
+from mfd_sglang.tree_layout import local_parents, tree_ancestor_mask, layout_backend, with_root
 
 
 @dataclass
@@ -170,8 +170,8 @@ def _mul32(a: Tensor, c: int) -> Tensor:
 def accept_path(tree: DraftTree, target_tokens: Tensor, backend: str | None = None) -> TreeVerifyResult:
     """Walk a batched tree given the target's token at every local node ([bs, N]): its argmax, its
     sample, or (the evaluation's replay) the token a known continuation has after that node's depth.
-    backend: `tree_layout.walk_backend` (on CUDA one Triton launch, bit-identical)."""
-    if walk_backend(backend, tree.tokens) == "triton":
+    backend: `tree_layout.layout_backend` (on CUDA one Triton launch, bit-identical)."""
+    if layout_backend(backend, tree.tokens) == "triton":
         from mfd_sglang.kernels.tree_walk import accept_path_triton
 
         return accept_path_triton(tree, target_tokens)

@@ -261,9 +261,10 @@ def root_only_gate(drafter: MFDDrafter, root: torch.Tensor, start: torch.Tensor,
         x = (embed[root] + drafter.mode_embed[k])[None, None]  # [1, 1, H]
         positions = start.view(1, 1)
         rope = Rope.at(positions, drafter.cfg, x.dtype)
+        delta = None
         for layer, attend in zip(drafter.layers, root_only_attention(drafter, context, positions)):
-            x = layer(x, rope, attend)
-        anchors.append(rms_norm(x, drafter.norm, drafter.cfg.rms_norm_eps)[0, 0])
+            x, delta = layer(x, delta, rope, attend)
+        anchors.append(rms_norm(x + delta, drafter.norm, drafter.cfg.rms_norm_eps)[0, 0])
     return torch.log_softmax(drafter.mode_prior(torch.stack(anchors).mean(0)), dim=-1)
 
 

@@ -1,5 +1,6 @@
-"""The Triton tree walks (`kernels.tree_walk`: the verify layout and the accepted path) against their torch
-references, bit for bit, on mixture trees of random drafters (padding, ties, budgets 0 to 100, depth 15).
+"""The Triton tree walks (`kernels.tree_walk`: the verify layout and the accepted path) and the verify's custom
+mask (`kernels.verify_mask`) against their torch references, bit for bit, on mixture trees of random drafters
+(padding, ties, budgets 0 to 100, depth 15).
 
 On CPU the kernels run under the Triton interpreter, in a subprocess with TRITON_INTERPRET=1 (read when
 triton decorates a kernel); the CUDA test runs in-process.
@@ -16,7 +17,7 @@ import torch
 
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import build_mixture_tree, empty_tree
-from mfd_sglang.tree_layout import local_parents, tree_to_verify_layout
+from mfd_sglang.tree_layout import full_custom_mask, local_parents, tree_to_verify_layout
 from mfd_sglang.verify import accept_path
 
 
@@ -62,7 +63,8 @@ def assert_same(want, have, where: str) -> None:
 
 
 def assert_same_walks(tree, vocab: int, seed: int, where: str, sync_check: bool = False) -> int:
-    """Layout and accepted path of both backends agree; returns the longest accept length seen."""
+    """Layout, custom mask (exactly sized, and in a larger buffer) and accepted path of both backends agree;
+    returns the longest accept length seen."""
     bs = tree.tokens.shape[0]
     device = tree.tokens.device
     generator = torch.Generator().manual_seed(seed)
@@ -73,6 +75,13 @@ def assert_same_walks(tree, vocab: int, seed: int, where: str, sync_check: bool 
         layout = tree_to_verify_layout(tree, roots, seq_lens, backend="triton")
         result = accept_path(tree, target, backend="triton")
     assert_same(tree_to_verify_layout(tree, roots, seq_lens, backend="torch"), layout, f"layout {where}")
+    nodes = tree.tokens.shape[1] + 1
+    exact = nodes * int(seq_lens.sum()) + bs * nodes * nodes
+    for total_len in (exact, exact + 37):
+        want = full_custom_mask(layout.ancestor_mask, seq_lens, total_len, backend="torch")
+        with host_syncs_raise(device if sync_check else "cpu"):
+            have = full_custom_mask(layout.ancestor_mask, seq_lens, total_len, backend="triton")
+        assert torch.equal(want, have), f"custom mask of {total_len} cells differs: {where}"
     expected = accept_path(tree, target, backend="torch")
     assert_same(expected, result, f"accept {where}")
     return int(expected.accept_lens.max())

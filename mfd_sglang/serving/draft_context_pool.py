@@ -35,7 +35,9 @@ class DraftContextPool:
         """`num_slots` rows per layer. With the target's `page_size` the rows are the buffers of SGLang's own
         `MHATokenToKVPool` (`sglang_pool`, num_slots - page_size usable slots, as the target's pool has):
         SGLang's PD disaggregation moves a request's pages of it with the target's KV, as the spec
-        worker's draft KV pool (`MFDWorkerV2.primary_draft_kv_pool`). Else plain tensors (sglang_pool None)."""
+        worker's draft KV pool (`MFDWorkerV2.primary_draft_kv_pool`). Else one tensor of every layer's rows
+        for the keys and one for the values (`key_rows`, `value_rows`: a commit writes each in one launch),
+        each layer's a view (sglang_pool None)."""
         cfg = drafter.cfg
         if page_size:
             from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -45,11 +47,14 @@ class DraftContextPool:
                 head_dim=cfg.head_dim, layer_num=cfg.num_hidden_layers, device=str(device), enable_memory_saver=False,
                 enable_alt_stream=False)
             self.keys, self.values = list(self.sglang_pool.k_buffer), list(self.sglang_pool.v_buffer)
+            self.key_rows = self.value_rows = None
         else:
             self.sglang_pool = None
-            shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
-            self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-            self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+            shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+            self.key_rows = torch.zeros(shape, device=device, dtype=dtype)
+            self.value_rows = torch.zeros(shape, device=device, dtype=dtype)
+            layers = range(cfg.num_hidden_layers)
+            self.keys, self.values = [self.key_rows[i] for i in layers], [self.value_rows[i] for i in layers]
         self.deferred = (DeferredContextWrites(self, drafter, deferred_rows, device=device, dtype=dtype)
                          if deferred_rows else None)
 
@@ -64,12 +69,17 @@ class DraftContextPool:
         self.flush()
         self.write_now(drafter, target_hidden, positions, slots)
 
+    @torch.no_grad()  # a cache: no autograd history (an in-place write would stale the layers' views)
     def write_now(self, drafter: MFDDrafter, target_hidden: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor) -> None:
-        context = drafter.context_kv(target_hidden[None], positions[None])
-        for pool_k, pool_v, k, v in zip(self.keys, self.values, context.keys, context.values):
-            pool_k[slots] = k[0].transpose(0, 1)
-            pool_v[slots] = v[0].transpose(0, 1)
+        k, v = drafter.context_rows(target_hidden[None], positions[None])  # [1, T, layers, kv_heads, hd]
+        if self.key_rows is not None:
+            self.key_rows[:, slots] = k[0].transpose(0, 1)
+            self.value_rows[:, slots] = v[0].transpose(0, 1)
+            return
+        for layer, (pool_k, pool_v) in enumerate(zip(self.keys, self.values)):
+            pool_k[slots] = k[0, :, layer]
+            pool_v[slots] = v[0, :, layer]
 
     def deferred_for(self, requests: tuple) -> "DraftContextPool | DeferredContextWrites":
         """Where a plain-decoding round of `requests` (their ids) writes its context: the deferred writes
