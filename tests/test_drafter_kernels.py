@@ -9,19 +9,14 @@ triton decorates a kernel); the CUDA test runs in-process.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from references import inputs, make_drafter  # noqa: E402
-
-from mfd_sglang.cuda_graph import host_syncs_raise  # noqa: E402
-from mfd_sglang.drafter import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq  # noqa: E402
+from interpreted import main, run_cases
+from mfd_sglang.cuda_graph import host_syncs_raise
+from mfd_sglang.drafter import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from references import inputs, make_drafter
 
 # The kernels round once, the torch path after every step: they agree to a few units of the dtype's rounding.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=6e-2, rtol=3e-2),
@@ -102,11 +97,7 @@ CASES = {fn.__name__: fn for fn in (case_norm_rope, case_residual_mlp, case_draf
 
 
 def test_interpreter_matches_torch() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, __file__, *CASES], cwd=Path(__file__).resolve().parents[1], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert result.stdout.split() == list(CASES)  # each case ran to its end
+    run_cases(__file__, CASES)
 
 
 def test_serving_backend_is_torch_on_cpu_and_refuses_cpu_tensors_without_interpreter() -> None:
@@ -129,8 +120,4 @@ def test_cuda_matches_torch_without_sync() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    for name in sys.argv[1:]:
-        CASES[name]()
-        print(name, flush=True)
+    main(CASES)

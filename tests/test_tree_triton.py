@@ -6,13 +6,11 @@ this file as a script in a subprocess with TRITON_INTERPRET=1. The CUDA test run
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import main, run_cases
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import build_mixture_tree, top_candidates
 
@@ -111,14 +109,7 @@ CASES = {fn.__name__: fn for fn in (case_shapes, case_wide, case_large_vocab, ca
 def test_interpreter_matches_torch() -> None:
     """Every case in one interpreter process (each process spends seconds importing triton); its stdout
     lists the cases that finished and its traceback names the one that failed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, __file__, *CASES], cwd=root, env=env, capture_output=True, text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert result.stdout.split() == list(CASES)  # each case ran to its end
+    run_cases(__file__, CASES, timeout=900)
 
 
 def test_cpu_without_interpreter_raises() -> None:
@@ -147,8 +138,4 @@ def test_cuda_matches_torch_without_sync() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    for name in sys.argv[1:]:
-        CASES[name]()
-        print(name, flush=True)
+    main(CASES)

@@ -8,13 +8,11 @@ triton decorates a kernel); the CUDA test runs in-process.
 
 import dataclasses
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import main, run_cases
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import build_mixture_tree, empty_tree
 from mfd_sglang.tree_layout import full_custom_mask, local_parents, tree_to_verify_layout
@@ -120,12 +118,7 @@ CASES = {fn.__name__: fn for fn in (case_random_trees, case_edge_trees)}
 
 
 def test_interpreter_matches_torch() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, __file__, *CASES], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert result.stdout.split() == list(CASES)  # each case ran to its end
+    run_cases(__file__, CASES)
 
 
 def test_cpu_without_interpreter_raises() -> None:
@@ -146,8 +139,4 @@ def test_cuda_matches_torch_without_sync() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    for name in sys.argv[1:]:
-        CASES[name]()
-        print(name, flush=True)
+    main(CASES)

@@ -9,13 +9,11 @@ TRITON_INTERPRET=1. The CUDA test runs in-process.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import main, run_cases
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.drafter import vocab_candidates
 from mfd_sglang.tree import DraftCandidates
@@ -140,13 +138,7 @@ CASES = {fn.__name__: fn for fn in (case_shapes, case_ties, case_drafter)}
 def test_interpreter_matches_torch() -> None:
     """Every case in one interpreter process (triton's import is paid once); its stdout lists the cases
     that ran to their end and its traceback names the one that failed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, __file__, *CASES], cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert result.stdout.split() == list(CASES)  # each case ran to its end
+    run_cases(__file__, CASES)
 
 
 def test_unknown_backend_is_refused() -> None:
@@ -217,8 +209,4 @@ def test_cuda_bfloat16_random_normal() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    for name in sys.argv[1:]:
-        CASES[name]()
-        print(name, flush=True)
+    main(CASES)
