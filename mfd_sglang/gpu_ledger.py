@@ -157,7 +157,8 @@ def trace_round_cost(config: str, bs: int, shape: str = "qwen3-4b") -> list[Kern
         with patched(torch, "Generator", _cpu_generator):
             target = rc.StaticTarget(cfg, "cuda", DTYPE, seed=0)
         target.allocate(bs, CONTEXT_LEN + rc.BUDGET + 1)
-        spec = rc.SpecRound(target, fake_cuda(drafter), budget=rc.BUDGET, single_mode=single_mode,
+        # Joined on its (fake) CUDA weights as round_cost joins it on a GPU: the same fused steps.
+        spec = rc.SpecRound(target, fake_cuda(drafter).join_projections(), budget=rc.BUDGET, single_mode=single_mode,
                             tree_backend="triton")
         roots = torch.zeros(bs, dtype=torch.int64, device="cuda")
         cache_lens = torch.full((bs,), CONTEXT_LEN, dtype=torch.int64, device="cuda")
