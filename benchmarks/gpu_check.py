@@ -279,8 +279,8 @@ def check_accept_without_sync(check: Check) -> Iterator[dict]:
 
 
 def check_vocab_kernel(check: Check) -> Iterator[dict]:
-    """The fused lm_head + top-B Triton kernel (`kernels/vocab_candidates.py`, not yet on the serving
-    path) against the torch `vocab_candidates` at serving shapes, without a host sync: on small-integer
+    """The fused lm_head + top-B Triton kernels (`kernels/vocab_candidates.py`, the draft's on CUDA)
+    against the torch `vocab_candidates` at serving shapes, without a host sync: on small-integer
     inputs (every logit exact whatever the GEMM's order) ids and logits bit for bit, ties included;
     on random bf16 inputs (rounding may move near-ties) >= 97% of the candidates shared."""
     from mfd_sglang.drafter import vocab_candidates

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mfd_sglang.kernels.bitonic import merge_top, top_k_rows
-from mfd_sglang.kernels.rank_keys import MIN_KEY, is_interpreted, key_index, key_score, pow2, rank_key
+from mfd_sglang.kernels.rank_keys import MIN_KEY, key_index, key_score, pow2, rank_key, require_cuda
 from mfd_sglang.tree import DraftCandidates, DraftTree
 
 _TILE = 4096  # elements per ranking tile: bounds the register footprint of one top-k
@@ -217,11 +217,7 @@ def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: 
         raise ValueError(f"budget must be >= 1, got {budget}")
     if source.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"the Triton tree backend takes float32/16 or bfloat16, not {source.dtype}")
-    if not source.is_cuda and not is_interpreted():
-        raise ValueError(
-            "the Triton tree backend needs a CUDA tensor or TRITON_INTERPRET=1 (set before triton "
-            f"is imported), got a tensor on {source.device}"
-        )
+    require_cuda(source, "the Triton tree backend")
     width = budget
     num_top = min(width, vocab)
     num_entries = num_modes * width  # M, entries per depth

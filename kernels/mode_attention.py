@@ -10,11 +10,11 @@ fp32 inputs are multiplied in IEEE fp32 (`input_precision="ieee"`): Triton's def
 `tl.dot` on NVIDIA GPUs is TF32, which would part the fp32 path from its reference.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from mfd_sglang.kernels.rank_keys import require_cuda
 
 
 @triton.jit
@@ -87,9 +87,7 @@ def _same_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def mode_attention_triton(q, block_k, block_v, pool_k, pool_v, req_to_token, req_pool_indices, context_lens,
                           *, num_modes: int, block_m: int = 64, block_n: int = 32) -> torch.Tensor:
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the Triton mode attention needs CUDA tensors or TRITON_INTERPRET=1 (set before "
-                         "triton is imported); use backend='torch' on CPU")
+    require_cuda(q, "the Triton mode attention", "; use backend='torch' on CPU")
     bs, num_heads, rows, head_dim = q.shape
     num_kv_heads = block_k.shape[1]
     if num_heads % num_kv_heads or rows % num_modes:

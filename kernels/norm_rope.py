@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import is_interpreted
+from mfd_sglang.kernels.rank_keys import require_cuda
 
 
 @triton.jit
@@ -76,9 +76,7 @@ def norm_rope_(q: torch.Tensor | None, q_weight: torch.Tensor | None, k: torch.T
     may be None (keys alone). One launch."""
     k_rows = _rows_heads(k, "k")
     rows, k_heads, dim = k_rows.shape
-    if not k.is_cuda and not is_interpreted():
-        raise ValueError("the Triton norm + rope needs CUDA tensors or TRITON_INTERPRET=1 (set before triton is "
-                         f"imported), got a tensor on {k.device}")
+    require_cuda(k, "the Triton norm + rope")
     k_weight = k_weight.reshape(-1, dim)
     if k_heads % k_weight.shape[0]:
         raise ValueError(f"{k_heads} key heads do not split over {k_weight.shape[0]} norm weights")

@@ -1,17 +1,20 @@
 """What the Triton top-k kernels (`mixture_tree`, `vocab_candidates`) share: the int64 rank key
-they sort, and two launch helpers.
+they sort (and its int32 twin for 16-bit scores), and the launch helpers of every Triton wrapper.
 
 A rank key holds a float32 score's order-preserving int32 bits in its high half (negative floats
 flip their magnitude bits; -0.0 maps as +0.0) and 2^31 - 1 - index in its low half (0 <= index <
 2^31). Keys are distinct, so a descending top-k over them is a stable descending sort of the scores:
 higher score first, ties to the lower index. `MIN_KEY` ranks below every real key (padding lanes).
 The torch twin (`mfd_sglang.drafter.rank_keys` / `from_rank_keys`) builds and decodes the same keys.
+A short rank key is the int32 twin for 16-bit scores at an index local to a range of 2^16 rows
+(`short_rank_key`), turned into the rank key of its global index once ranked.
 """
 
 import triton
 import triton.language as tl
 
 MIN_KEY = tl.constexpr(-(2**63))
+MIN_SHORT_KEY = tl.constexpr(-(2**31))
 
 
 @triton.jit
@@ -36,6 +39,41 @@ def rank_key(score, index):
 
 
 @triton.jit
+def _ordered16(x, IS_BF16: tl.constexpr):
+    """float32 holding a bfloat16 (IS_BF16) or float16 value -> int32 in [-2^15, 2^15) with the same
+    order (-0.0 and +0.0 map alike)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    if IS_BF16:
+        bits = x.to(tl.int32, bitcast=True) >> 16  # a bfloat16 is the high half of its float32
+    else:
+        bits = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return bits ^ ((bits >> 15) & 0x7FFF)
+
+
+@triton.jit
+def short_rank_key(score, local, IS_BF16: tl.constexpr):
+    """int32 ranking key of a 16-bit score (held in float32) at a local index 0 <= local < 2^16: the
+    score's order in the high half, 2^16 - 1 - local in the low half. Half the width of `rank_key`,
+    so a network over these keys runs on 32-bit compares; `MIN_SHORT_KEY` ranks below every real
+    one (it would be a NaN's)."""
+    return (_ordered16(score, IS_BF16) << 16) | (65535 - local)
+
+
+@triton.jit
+def short_key_to_rank_key(key, first, IS_BF16: tl.constexpr):
+    """The int64 `rank_key` of the score and index `first + local` a `short_rank_key` holds;
+    `MIN_SHORT_KEY` -> `MIN_KEY`."""
+    order = key >> 16
+    bits = order ^ ((order >> 15) & 0x7FFF)
+    if IS_BF16:
+        score = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        score = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    index = first + (65535 - (key & 0xFFFF)).to(tl.int64)
+    return tl.where(key == MIN_SHORT_KEY, MIN_KEY, rank_key(score, index))
+
+
+@triton.jit
 def key_score(key):
     return _unordered((key >> 32).to(tl.int32))
 
@@ -49,6 +87,14 @@ def is_interpreted() -> bool:
     """Whether the kernels run on the Triton interpreter (CPU tensors allowed)."""
     # TRITON_INTERPRET is read when @triton.jit runs, i.e. when this module is imported.
     return type(rank_key).__name__ == "InterpretedFunction"
+
+
+def require_cuda(tensor, what: str, hint: str = "") -> None:
+    """ValueError unless `tensor` is a CUDA tensor or the kernels run on the interpreter: what every
+    Triton wrapper checks first. what: the kernel, as the message names it."""
+    if not tensor.is_cuda and not is_interpreted():
+        raise ValueError(f"{what} needs CUDA tensors or TRITON_INTERPRET=1 (set before triton is imported), got "
+                         f"a tensor on {tensor.device}{hint}")
 
 
 def pow2(n: int) -> int:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import is_interpreted
+from mfd_sglang.kernels.rank_keys import require_cuda
 
 
 @triton.jit
@@ -43,9 +43,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, I, BLOCK: tl.constexpr):
 
 
 def _check(x: torch.Tensor) -> None:
-    if not x.is_cuda and not is_interpreted():
-        raise ValueError("the Triton drafter steps need CUDA tensors or TRITON_INTERPRET=1 (set before triton is "
-                         f"imported), got a tensor on {x.device}")
+    require_cuda(x, "the Triton drafter steps")
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:

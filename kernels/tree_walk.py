@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import is_interpreted, pow2
+from mfd_sglang.kernels.rank_keys import pow2, require_cuda
 from mfd_sglang.tree import DraftTree
 from mfd_sglang.tree_layout import VerifyLayout
 from mfd_sglang.verify import TreeVerifyResult
@@ -129,9 +129,7 @@ def _accept_path_kernel(
 def _launch_config(tree: DraftTree) -> tuple[int, int, dict]:
     if tree.tokens.dim() != 2:
         raise ValueError("the tree walk kernels need a batched tree ([bs, budget] fields)")
-    if not tree.tokens.is_cuda and not is_interpreted():
-        raise ValueError("the Triton tree walk needs a CUDA tensor or TRITON_INTERPRET=1 (set before triton "
-                         f"is imported), got a tensor on {tree.tokens.device}")
+    require_cuda(tree.tokens, "the Triton tree walk")
     bs, budget = tree.tokens.shape
     # One [B, B] comparison per program over the tree nodes (the root on its own: B = 64 fills 64 lanes).
     return bs, budget, dict(BP=pow2(budget), num_warps=4)

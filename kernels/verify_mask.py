@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import is_interpreted, pow2
+from mfd_sglang.kernels.rank_keys import pow2, require_cuda
 
 
 @triton.jit
@@ -33,9 +33,7 @@ def _tree_cells_kernel(ancestor_ptr, seq_lens_ptr, mask_ptr, N, total_len, BLOCK
 
 def full_custom_mask_triton(ancestor_mask: torch.Tensor, seq_lens: torch.Tensor, total_len: int) -> torch.Tensor:
     """`full_custom_mask` with a given total_len (N * sum(seq_lens) + bs * N * N, or any larger bound)."""
-    if not ancestor_mask.is_cuda and not is_interpreted():
-        raise ValueError("the Triton custom mask needs CUDA tensors or TRITON_INTERPRET=1 (set before triton is "
-                         f"imported), got a tensor on {ancestor_mask.device}")
+    require_cuda(ancestor_mask, "the Triton custom mask")
     bs, num_nodes, _ = ancestor_mask.shape
     mask = torch.ones(total_len, dtype=torch.bool, device=ancestor_mask.device)
     if bs:

@@ -2,7 +2,7 @@
 as the torch reference `mfd_sglang.drafter.vocab_candidates` (candidates best first, equal logits
 in row order, float32 log-probabilities, int64 ids).
 
-Fixed shapes and no host sync, so it can be captured in a CUDA graph. Two steps:
+Fixed shapes and no host sync, so it can be captured in a CUDA graph. Two launches:
 
   1. `_vocab_top_kernel`, grid (row blocks of ROWS rows, vocabulary splits): each program walks its
      split's tiles of TILE_V weight rows. Per tile, the logits [ROWS, TILE_V] are a `tl.dot` over H
@@ -10,39 +10,48 @@ Fixed shapes and no host sync, so it can be captured in a CUDA graph. Two steps:
      `(hidden @ weight.T).float()`; they feed an online (max, rescaled sum of exp) per row and a
      running top-BB of rank keys per row (bitonic networks over [ROWS, N]). The logits never exist
      beyond one tile. Per (row, split) it writes BB keys, the max and the sum.
-  2. In torch (tiny): the top-`count` of the [rows, splits * BB] keys, the splits' (max, sum)
-     combined into the log-normaliser, the keys decoded as the reference decodes its own.
+  2. `_vocab_finish_kernel`, one program per row: the top-`count` of its splits * BB keys, the
+     splits' (max, sum) combined into the log-normaliser, the keys decoded, the log-probabilities.
 
 Exactness. The ranking sorts distinct int64 keys (`rank_keys.rank_key`: the logit's
 order-preserving bits, then 2^31 - 1 - id), built and decoded exactly as the reference's
 `rank_keys` / `from_rank_keys`, so equal logits give bit-equal ids and logits: ties to the lower
-id, -0.0 as +0.0. The logits themselves are torch's up to the GEMM's summation order, i.e. bit-equal
-whenever the dot products are exact (e.g. small-integer inputs) and otherwise within the float32
-accumulation error of any two GEMMs, before the rounding to the input dtype (which both do). The
-normaliser is the reference's up to float32 rounding (the order of the sum of exp, the exp's own
-approximation on GPU): ~1e-7 relative. NaN logits are unsupported.
+id, -0.0 as +0.0. 16-bit inputs rank their tiles on the int32 twin of these keys
+(`rank_keys.short_rank_key`: the logit's 16 bits, its row within the split, which is why a split
+spans at most 2^16 rows), half the instructions of an int64 network per step, turned into the
+int64 keys before they are written: the same order, so the same result. The logits themselves are
+torch's up to the GEMM's summation order, i.e. bit-equal whenever the dot products are exact (e.g.
+small-integer inputs) and otherwise within the float32 accumulation error of any two GEMMs, before
+the rounding to the input dtype (which both do). The normaliser is the reference's up to float32
+rounding (the order of the sum of exp, the exp's own approximation on GPU): ~1e-7 relative. NaN
+logits are unsupported.
 
-Launch: ROWS = 16 or 32 rows per program (tl.dot needs >= 16; more would cut the weight's re-reads,
-one per row block, but the [ROWS, TILE_V] int64 key tile and its bitonic network live in
-registers); BB = count rounded up to a power of two (>= 2); TILE_V = max(BB, min(128, V)) (a power
-of two);
-splits = min(tiles, cdiv(512, row blocks)): a few hundred programs. Scratch: rows * splits *
-(8 * BB + 8) bytes (keys, max, sum), at most (rows + 512 * ROWS) * (8 * BB + 8).
+Launch: ROWS = 16 .. 64 rows per program, at most 32 for float32 inputs (tl.dot needs >= 16; more cut
+the weight's re-reads, one per row block, and the issue per product, but the [ROWS, TILE_V] key tile
+and its bitonic network live in registers: 64 rows of int32 keys fit sm_90a's / sm_80's without
+spills); BB = count rounded up to a power of two (>= 2); TILE_V = max(BB, min(128, V)) (a power of
+two); splits = min(tiles, cdiv(512, row blocks), `VOCAB_SPLITS` = 128, as the finish merges splits *
+BB keys a row): a few hundred programs (16-bit inputs: at least cdiv(V, 2^16) splits). Scratch: rows *
+splits * (8 * BB + 8) bytes (keys, max, sum), which the memory plan counts.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.drafter import from_rank_keys
-from mfd_sglang.kernels.bitonic import merge_top_rows
-from mfd_sglang.kernels.rank_keys import MIN_KEY, is_interpreted, pow2, rank_key
+from mfd_sglang.drafter import VOCAB_SPLITS, VOCAB_TILE
+from mfd_sglang.kernels.bitonic import merge_top, merge_top_rows
+from mfd_sglang.kernels.rank_keys import (
+    MIN_KEY, MIN_SHORT_KEY, is_interpreted, key_index, key_score, pow2, rank_key, require_cuda,
+    short_key_to_rank_key, short_rank_key,
+)
 from mfd_sglang.tree import DraftCandidates
 
 _TARGET_PROGRAMS = 512  # stage-1 programs aimed at: a few per SM of a large GPU
-_MAX_ROWS = 32  # rows per program at most: bounds the [ROWS, TILE_V] key tile's registers
-_TILE_V = 128  # weight rows per tile (at least BB)
+_MAX_ROWS = 64  # rows per program at most (int32 keys; int64 half): bounds the key tile's registers
 _BLOCK_H = 64  # hidden chunk of one tl.dot
+_FINISH_TILE = 1024  # keys per merge of the finishing kernel
+_SHORT_KEY_ROWS = 2**16  # vocabulary rows a split of 16-bit inputs spans at most
 
 
 @triton.jit
@@ -51,7 +60,7 @@ def _vocab_top_kernel(
     n_rows, V, H, tiles_per_split, n_splits,
     stride_hr, stride_hh, stride_wv, stride_wh,
     ROWS: tl.constexpr, TILE_V: tl.constexpr, BLOCK_H: tl.constexpr, BB: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SHORT_KEYS: tl.constexpr, IS_BF16: tl.constexpr,
 ):
     split = tl.program_id(1)  # row blocks vary fastest: programs sharing a split share its weight in L2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -59,7 +68,10 @@ def _vocab_top_kernel(
     hidden_rows = hidden_ptr + rows.to(tl.int64)[:, None] * stride_hr
     lanes = tl.arange(0, TILE_V)
     chunk = tl.arange(0, BLOCK_H)
-    running = tl.full([ROWS, BB], MIN_KEY, tl.int64)
+    if SHORT_KEYS:
+        running = tl.full([ROWS, BB], MIN_SHORT_KEY, tl.int32)
+    else:
+        running = tl.full([ROWS, BB], MIN_KEY, tl.int64)
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS], tl.float32)
     first = split.to(tl.int64) * tiles_per_split * TILE_V  # int64: no overflow near V = 2^31
@@ -80,7 +92,11 @@ def _vocab_top_kernel(
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         # Rounded to the input dtype, as torch's matmul output is before `.float()`.
         logits = acc.to(hidden_ptr.dtype.element_ty).to(tl.float32)
-        keys = tl.where(v_ok[None, :], rank_key(logits, v[None, :]), MIN_KEY)
+        if SHORT_KEYS:  # the split spans < 2^16 rows: v - first fits a short key's index
+            keys = tl.where(v_ok[None, :], short_rank_key(logits, (v - first).to(tl.int32)[None, :], IS_BF16),
+                            MIN_SHORT_KEY)
+        else:
+            keys = tl.where(v_ok[None, :], rank_key(logits, v[None, :]), MIN_KEY)
         running = merge_top_rows(running, keys, ROWS, TILE_V, BB)
         real = tl.where(v_ok[None, :], logits, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(real, axis=1))  # finite: the tile has a real row
@@ -88,23 +104,56 @@ def _vocab_top_kernel(
         row_max = new_max
     out = rows.to(tl.int64) * n_splits + split
     slot = tl.arange(0, BB)
+    if SHORT_KEYS:
+        running = short_key_to_rank_key(running, first, IS_BF16)
     tl.store(keys_ptr + out[:, None] * BB + slot[None, :], running, mask=row_ok[:, None])
     tl.store(max_ptr + out, row_max, mask=row_ok)
     tl.store(sum_ptr + out, row_sum, mask=row_ok)
 
 
+@triton.jit
+def _vocab_finish_kernel(
+    keys_ptr, max_ptr, sum_ptr, logits_ptr, ids_ptr, lognorm_ptr, logprobs_ptr,
+    n_keys, n_splits, count,
+    BB: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """One program per row: the top-`count` of the splits' n_keys = splits * BB keys (TILE at a time),
+    the splits' (max, sum) combined into the log-normaliser, the keys decoded, the log-probabilities."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.arange(0, SPLITS)
+    split_ok = split < n_splits
+    maxes = tl.load(max_ptr + row * n_splits + split, mask=split_ok, other=float("-inf"))
+    sums = tl.load(sum_ptr + row * n_splits + split, mask=split_ok, other=0.0)
+    top_max = tl.max(maxes, axis=0)  # finite: every split has a real row
+    lognorm = top_max + tl.log(tl.sum(sums * tl.exp(maxes - top_max), axis=0))
+    lanes = tl.arange(0, TILE)
+    running = tl.full([BB], MIN_KEY, tl.int64)
+    for start in range(0, n_keys, TILE):
+        at = start + lanes
+        tile = tl.load(keys_ptr + row * n_keys + at, mask=at < n_keys, other=MIN_KEY)
+        running = merge_top(running, tile, TILE, BB)
+    slot = tl.arange(0, BB)
+    keep = slot < count
+    logits = key_score(running)
+    tl.store(logits_ptr + row * count + slot, logits, mask=keep)
+    tl.store(ids_ptr + row * count + slot, key_index(running), mask=keep)
+    tl.store(logprobs_ptr + row * count + slot, logits - lognorm, mask=keep)
+    tl.store(lognorm_ptr + row, lognorm)
+
+
 def vocab_top_logits_triton(
     hidden: torch.Tensor, weight: torch.Tensor, count: int, *, tile_v: int | None = None,
     block_h: int | None = None, rows_per_block: int | None = None, max_splits: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The `count` best rows of `hidden @ weight.T` per leading index, before normalisation:
-    (logits [..., C] float32, ids [..., C] int64, log-normaliser [...] float32), C = min(count, V).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `count` best rows of `hidden @ weight.T` per leading index: (logits [..., C] float32, ids
+    [..., C] int64, log-normaliser [...] float32, log-probabilities = logits - log-normaliser [..., C]),
+    C = min(count, V).
 
     hidden [..., H] and weight [V, H] of one dtype (float32, float16 or bfloat16), V < 2^31, CUDA
     tensors (or CPU ones under TRITON_INTERPRET=1 set before triton is imported), else ValueError.
     The keyword arguments tune the launch (powers of two; None picks a default): weight rows per
     tile (>= the top width), hidden chunk of one dot (>= 16), rows per program (>= 16), and an upper
-    bound on the vocabulary splits.
+    bound on the vocabulary splits (which 16-bit inputs exceed where a split would span > 2^16 rows).
     """
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden [..., H] and weight [V, H] do not match: {tuple(hidden.shape)}, "
@@ -116,11 +165,7 @@ def vocab_top_logits_triton(
                          f"one dtype, not {hidden.dtype} and {weight.dtype}")
     if hidden.device != weight.device:
         raise ValueError(f"hidden is on {hidden.device}, weight on {weight.device}")
-    if not hidden.is_cuda and not is_interpreted():
-        raise ValueError(
-            "the Triton vocab_candidates needs CUDA tensors or TRITON_INTERPRET=1 (set before triton "
-            f"is imported), got tensors on {hidden.device}"
-        )
+    require_cuda(hidden, "the Triton vocab_candidates")
     vocab, size = weight.shape
     if not 0 < vocab < 2**31:
         raise ValueError(f"the vocabulary must have 1 .. 2^31 - 1 rows, not {vocab}")
@@ -132,12 +177,15 @@ def vocab_top_logits_triton(
     if n_rows == 0:
         return (torch.empty(*lead, count, dtype=torch.float32, device=dev),
                 torch.empty(*lead, count, dtype=torch.int64, device=dev),
-                torch.empty(lead, dtype=torch.float32, device=dev))
+                torch.empty(lead, dtype=torch.float32, device=dev),
+                torch.empty(*lead, count, dtype=torch.float32, device=dev))
 
     bb = pow2(count)
-    tile = max(bb, tile_v or min(_TILE_V, pow2(vocab)))
+    tile = max(bb, tile_v or min(VOCAB_TILE, pow2(vocab)))
     chunk = block_h or max(16, min(_BLOCK_H, triton.next_power_of_2(size)))
-    block_rows = rows_per_block or max(16, min(_MAX_ROWS, triton.next_power_of_2(n_rows)))
+    short_keys = hidden.dtype != torch.float32 and tile <= _SHORT_KEY_ROWS
+    max_rows = _MAX_ROWS if short_keys else _MAX_ROWS // 2  # int64 keys: twice the registers a row
+    block_rows = rows_per_block or max(16, min(max_rows, triton.next_power_of_2(n_rows)))
     if tile & (tile - 1) or chunk & (chunk - 1) or block_rows & (block_rows - 1):
         raise ValueError(f"tile_v, block_h and rows_per_block must be powers of two: {tile}, {chunk}, "
                          f"{block_rows}")
@@ -145,7 +193,9 @@ def vocab_top_logits_triton(
         raise ValueError(f"tl.dot needs block_h and rows_per_block >= 16, not {chunk}, {block_rows}")
     row_blocks = triton.cdiv(n_rows, block_rows)
     tiles = triton.cdiv(vocab, tile)
-    splits = min(tiles, max(1, triton.cdiv(_TARGET_PROGRAMS, row_blocks)), max_splits or tiles)
+    splits = min(tiles, max(1, triton.cdiv(_TARGET_PROGRAMS, row_blocks)), VOCAB_SPLITS, max_splits or tiles)
+    if short_keys:  # a split's rows must fit a short key's 16-bit index
+        splits = max(splits, triton.cdiv(tiles, _SHORT_KEY_ROWS // tile))
     tiles_per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, tiles_per_split)  # no split without a tile
 
@@ -161,14 +211,20 @@ def vocab_top_logits_triton(
         # float32 inputs: full-precision products like torch's default matmul (no TF32); 16-bit
         # inputs ignore it (tensor cores, float32 accumulation).
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        SHORT_KEYS=short_keys, IS_BF16=hidden.dtype == torch.bfloat16,
         num_warps=4 if block_rows * tile <= 2048 else 8,
     )
-    # Distinct keys: topk's order is exact; padding keys (MIN_KEY) rank below the >= count real ones.
-    best = keys.view(n_rows, splits * bb).topk(count, dim=-1).values
-    logits, ids = from_rank_keys(best)
-    top_max = maxes.amax(-1)
-    lognorm = top_max + (sums * torch.exp(maxes - top_max[:, None])).sum(-1).log()
-    return logits.view(*lead, count), ids.view(*lead, count), lognorm.view(lead)
+    logits = torch.empty(n_rows, count, dtype=torch.float32, device=dev)
+    ids = torch.empty(n_rows, count, dtype=torch.int64, device=dev)
+    lognorm = torch.empty(n_rows, dtype=torch.float32, device=dev)
+    logprobs = torch.empty(n_rows, count, dtype=torch.float32, device=dev)
+    # Distinct keys: the merge's order is exact; padding keys (MIN_KEY) rank below the >= count real ones.
+    _vocab_finish_kernel[(n_rows,)](
+        keys, maxes, sums, logits, ids, lognorm, logprobs, splits * bb, splits, count,
+        BB=bb, TILE=max(bb, min(_FINISH_TILE, pow2(splits * bb))), SPLITS=pow2(splits),
+    )
+    return (logits.view(*lead, count), ids.view(*lead, count), lognorm.view(lead),
+            logprobs.view(*lead, count))
 
 
 def vocab_candidates_triton(hidden: torch.Tensor, weight: torch.Tensor, count: int, **launch) -> DraftCandidates:
@@ -177,5 +233,5 @@ def vocab_candidates_triton(hidden: torch.Tensor, weight: torch.Tensor, count: i
     shapes and dtypes. Ids (and logits) bit-equal to the reference's when the logits are (see the
     module docstring), log-probabilities up to the normaliser's float32 rounding. Inputs and
     `launch` keywords: `vocab_top_logits_triton`."""
-    logits, ids, lognorm = vocab_top_logits_triton(hidden, weight, count, **launch)
-    return DraftCandidates(logits - lognorm[..., None], ids, weight.shape[0])
+    _, ids, _, logprobs = vocab_top_logits_triton(hidden, weight, count, **launch)
+    return DraftCandidates(logprobs, ids, weight.shape[0])

@@ -50,6 +50,9 @@ from .tree import DraftCandidates, weigh_modes
 # Vocabulary rows scored at once when only the top candidates are needed: bounds the draft's
 # memory to [bs, K, D, VOCAB_CHUNK] logits (plus their sort) whatever the vocabulary size.
 VOCAB_CHUNK = 4096
+# The Triton backend's vocabulary rows per tile (at least B) and splits at most (below 2^23 rows): its
+# scratch holds B keys, a max and a sum per split of every row.
+VOCAB_TILE, VOCAB_SPLITS = 128, 128
 # The linears of every drafter layer that FP8 drafting quantizes (SGLang's DFlash draft model passes its
 # quantization config to these and keeps `fc` a plain linear).
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

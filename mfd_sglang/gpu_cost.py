@@ -431,6 +431,8 @@ SERIAL_LOOPS: dict[str, tuple[str, Callable[[TritonLaunch], list[int]]]] = {
     "_vocab_top_kernel": (
         "per vocabulary tile of the split (outer): the hidden chunks of BLOCK_H (inner)",
         lambda l: [l.args["tiles_per_split"] * -(-l.args["H"] // l.args["BLOCK_H"]), l.args["tiles_per_split"]]),
+    "_vocab_finish_kernel": ("the row's splits x BB keys in tiles of TILE",
+                             lambda l: [-(-l.args["n_keys"] // l.args["TILE"])]),
     "_quantize_rows_kernel": ("the row's two passes of BLOCK columns",
                               lambda l: [-(-l.args["K"] // l.args["BLOCK"])] * 2),
     "_verify_layout_kernel": ("the walk up the parent links: the tree's depth, at most the drafter's block - 1 "

@@ -116,7 +116,7 @@ def full_custom_mask(
     """
     bs, num_nodes, _ = ancestor_mask.shape
     if total_len is None:
-        total_len = num_nodes * int(seq_lens.long().sum()) + bs * num_nodes * num_nodes
+        total_len = num_nodes * int(seq_lens.sum()) + bs * num_nodes * num_nodes  # an integer sum is int64
     if layout_backend(backend, ancestor_mask) == "triton":
         from mfd_sglang.kernels.verify_mask import full_custom_mask_triton
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mfd_sglang.tree import DraftTree
-from mfd_sglang.tree_layout import local_parents, tree_ancestor_mask, layout_backend, with_root
+from mfd_sglang.tree_layout import layout_backend, local_parents, tree_ancestor_mask, with_root
 
 
 @dataclass

@@ -115,7 +115,7 @@ def test_interpreter_matches_torch() -> None:
 def test_cpu_without_interpreter_raises() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set: the CPU path is allowed")
-    with pytest.raises(ValueError, match="CUDA tensor or TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="CUDA tensors or TRITON_INTERPRET=1"):
         build_mixture_tree(torch.zeros(2, 2, 3, 4).log_softmax(-1), 4, backend="triton")
 
 

@@ -125,7 +125,7 @@ def test_cpu_without_interpreter_raises() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set: the CPU path is allowed")
     tree = random_tree(0, 1, 2, 3, 4, 5)
-    with pytest.raises(ValueError, match="CUDA tensor or TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="CUDA tensors or TRITON_INTERPRET=1"):
         accept_path(tree, torch.zeros(1, 6, dtype=torch.int64), backend="triton")
     with pytest.raises(ValueError, match="backend must be"):
         tree_to_verify_layout(tree, torch.zeros(1), torch.zeros(1), backend="cuda")

@@ -45,14 +45,15 @@ def assert_exact(hidden: torch.Tensor, weight: torch.Tensor, count: int, *, sync
     where = (f"hidden {tuple(hidden.shape)} weight {tuple(weight.shape)} {hidden.dtype} count {count} "
              f"launch {launch}")
     with host_syncs_raise(hidden.device if sync_check else "cpu"):  # a host sync in the launch path raises
-        logits, ids, lognorm = vocab_top_logits_triton(hidden, weight, count, **launch)
+        logits, ids, lognorm, logprobs = vocab_top_logits_triton(hidden, weight, count, **launch)
         got = (vocab_candidates(hidden, weight, count, backend="triton") if public
-               else DraftCandidates(logits - lognorm[..., None], ids, weight.shape[0]))
+               else DraftCandidates(logprobs, ids, weight.shape[0]))
     want_logits, want_ids, want_lognorm = reference_top(hidden, weight, count)
     assert logits.dtype == torch.float32 and ids.dtype == torch.int64, where
     assert logits.shape == want_logits.shape and lognorm.shape == hidden.shape[:-1], where
     assert torch.equal(ids, want_ids), f"ids differ: {where}\n{want_ids}\n{ids}"
     assert torch.equal(logits.view(torch.int32), want_logits.view(torch.int32)), f"logits differ: {where}"
+    assert torch.equal(logprobs, logits - lognorm[..., None]), where
     torch.testing.assert_close(lognorm.double(), want_lognorm, rtol=1e-6, atol=1e-6, msg=where)
 
     # The public contract: the torch backend's DraftCandidates (several chunks), same shapes and ids.
@@ -78,6 +79,8 @@ SHAPES = [
     ((2, 3, 5), 27, 300, (5,), dict(block_h=16, tile_v=32, max_splits=3)),  # H in 2 chunks, 4 tiles a split
     ((2, 20), 24, 70, (16,), dict(rows_per_block=16, tile_v=16)),  # 3 row blocks; count == tile
     ((), 20, 40, (3,), {}),  # one unbatched row
+    ((5, 20), 16, 70, (8,), dict(block_h=16)),  # 100 rows: blocks of 64 (16-bit) or 32 (float32), one partial
+    ((1,), 8, 1100, (64,), dict(tile_v=64)),  # 18 splits: the finishing merge takes 1152 keys in 2 tiles
 ]
 
 
@@ -113,6 +116,15 @@ def case_ties(device="cpu", dtypes=CPU_DTYPES, sync_check=False):
         weight = small_ints(15, (256, 20), -2, 2)
         weight[0] = 3.0
         assert_exact(put(torch.full((2, 20), 3.0)), put(weight), 8, sync_check=sync_check, tile_v=16, max_splits=1)
+        if dtype != torch.float32:
+            # 16-bit inputs rank int32 keys with an index local to the split, so a split spans at most 2^16
+            # rows even when one is asked for: equal best rows at both ends of each of the two splits.
+            weight = small_ints(16, (2**16 + 300, 4), -2, 2)
+            best = [0, 2, 2**16 - 2, 2**16 - 1, 2**16, 2**16 + 299]
+            weight[best] = 3.0
+            ids = assert_exact(put(torch.full((1, 4), 3.0)), put(weight), 16, sync_check=sync_check, max_splits=1,
+                               tile_v=2048)  # 33 tiles: the interpreter's time
+            assert ids[0, :len(best)].tolist() == best, ids
 
 
 def case_drafter(device="cpu", dtypes=(torch.float32,), sync_check=False):
@@ -182,7 +194,7 @@ def assert_close_random(hidden: torch.Tensor, weight: torch.Tensor, count: int) 
 
     assert hidden.dtype in (torch.float16, torch.bfloat16)  # rounding dominates the accumulation error
     with host_syncs_raise(hidden.device):
-        logits, ids, lognorm = vocab_top_logits_triton(hidden, weight, count)
+        logits, ids, lognorm, _ = vocab_top_logits_triton(hidden, weight, count)
     want = vocab_candidates(hidden, weight, count)
     exact = hidden.double() @ weight.double().T  # [..., V]: the unrounded logits
     ulp = torch.finfo(hidden.dtype).eps * 2.0 ** torch.floor(torch.log2(logits.abs().double().clamp_min(1e-30)))

@@ -12,8 +12,9 @@ token, which is exactly what `DraftContextPool` holds per KV slot). What it does
                     byte per weight and a float32 scale per output channel (`drafter_weight_bytes`);
   draft working set one draft + tree round at batch bs (what the draft CUDA graph of that batch
                     size keeps in its pool): the largest of the drafter layers' activations, the
-                    vocabulary scoring of one chunk (`mfd_sglang.drafter.vocab_candidates`) and the
-                    tree's per-mode beams, plus the hidden states and candidates that live across them;
+                    vocabulary scoring of one chunk (`mfd_sglang.drafter.vocab_candidates`; on CUDA
+                    its Triton kernel's scratch, when larger) and the tree's per-mode beams, plus the
+                    hidden states and candidates that live across them;
   verify working set the float32 target logits of the B + 1 verified tokens per request that the
                     accept step reads ([bs * N, V]; a copy when the target returns lower precision),
                     plus the per-node sampling work at T > 0 (`SAMPLING_BYTES_PER_ENTRY` per logit);
@@ -35,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from mfd_sglang.checkpoint import DrafterConfig
-from mfd_sglang.drafter import VOCAB_CHUNK, fp8_linear_shapes
+from mfd_sglang.drafter import VOCAB_CHUNK, VOCAB_SPLITS, VOCAB_TILE, fp8_linear_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,11 @@ class MemoryPlan:
         chunk = min(self.vocab_chunk, self.draft_vocab)
         layer = block_rows * ((3 * self.intermediate + self.attention_width + 2 * self.hidden) * self.dtype_bytes
                               + self.fp8_bytes_per_row)
-        scoring = draft_rows * chunk * (self.dtype_bytes + SCORING_BYTES_PER_ENTRY)
+        # The torch chunk's logits and keys, or the Triton kernel's scratch (its splits' keys, max and sum).
+        keys = 1 << max(1, (count - 1).bit_length())
+        splits = min(VOCAB_SPLITS, -(-self.draft_vocab // VOCAB_TILE))
+        scoring = draft_rows * max(chunk * (self.dtype_bytes + SCORING_BYTES_PER_ENTRY),
+                                   splits * (INT64 * keys + 2 * FLOAT32))
         tree = bs * self.num_modes * self.budget * count * TREE_BYTES_PER_ENTRY
         resident = 2 * block_rows * self.hidden * self.dtype_bytes + draft_rows * count * (FLOAT32 + 2 * INT64)
         return resident + max(layer, scoring, tree)
