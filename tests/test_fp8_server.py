@@ -152,12 +152,13 @@ def test_launch_reads_sglangs_draft_quantization_flag(tiny_pair):
     """--speculative-draft-model-quantization fp8 resolves to MFD's FP8 drafting and the launch's memory
     plan counts the quantized linears; unset or `unquant`, the drafter stays unquantized; a method MFD's
     drafter cannot run (awq) is refused at launch by a message naming the flag and what to pass."""
-    fp8, fp8_log = resolve(tiny_pair, speculative_draft_model_quantization="fp8")
+    methods = ("fp8", None, "unquant", "awq")
+    with concurrent.futures.ThreadPoolExecutor(len(methods)) as pool:  # each imports SGLang, on one core
+        (fp8, fp8_log), *plains, (refused, _) = pool.map(lambda method: resolve(tiny_pair, **(
+            {} if method is None else {"speculative_draft_model_quantization": method})), methods)
     assert fp8 == {"method": "fp8", "mfd": "fp8"}
     assert planned_weights_mib(fp8_log)[1]
-    for extra in ({}, {"speculative_draft_model_quantization": "unquant"}):
-        plain, plain_log = resolve(tiny_pair, **extra)
+    for plain, plain_log in plains:  # unset, unquant
         assert plain == {"method": None, "mfd": None} and not planned_weights_mib(plain_log)[1]
-    refused, _ = resolve(tiny_pair, speculative_draft_model_quantization="awq")
     assert "--speculative-draft-model-quantization awq" in refused["error"]
     assert "pass fp8 or unquant" in refused["error"]

@@ -253,21 +253,24 @@ def test_refused_request_features_get_a_400_that_names_them(mfd_d_server, featur
 
 
 # --- launch-time errors -----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["missing drafter", "hub id not cached", "wrong target", "wrong hub target", "budget",
-                                  "pipeline parallelism", "attention backend", "lora"])
-def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
+BAD_LAUNCHES = ["missing drafter", "hub id not cached", "wrong target", "wrong hub target", "budget",
+                "pipeline parallelism", "attention backend", "lora"]
+
+
+def bad_launch(case: str, tiny_pair: Path, hf_cache: Path) -> tuple[list[str], str]:
+    """(the launch command of `case`, the message it must fail with), HF_HUB_CACHE being hf_cache."""
     drafter, target = str(tiny_pair / "drafter"), tiny_pair / "target"
     extra, expected = [], ""
     if case == "missing drafter":
-        drafter, expected = str(tmp_path / "no-such-drafter"), "no such directory"
+        drafter, expected = str(hf_cache / "no-such-drafter"), "no such directory"
     elif case == "hub id not cached":  # offline, an empty HF cache
         drafter = "mfd-test/not-cached"
-        expected = f"no drafter 'mfd-test/not-cached' (revision main) in the Hugging Face cache ({tmp_path}"
+        expected = f"no drafter 'mfd-test/not-cached' (revision main) in the Hugging Face cache ({hf_cache}"
     elif case in ("wrong target", "wrong hub target"):
         drafter, expected = str(REPO / "drafters" / "smollm2-135m" / "mfd"), "hidden_size: found 576, expected 64"
         if case == "wrong hub target":  # the fit read from the hub target's cached config
             target = HUB_TARGET
-            hub_cache_with(tmp_path, HUB_TARGET, tiny_pair / "target")
+            hub_cache_with(hf_cache, HUB_TARGET, tiny_pair / "target")
     elif case == "budget":
         extra, expected = ["--speculative-num-draft-tokens", "1"], "tree budget of 0"
     elif case == "pipeline parallelism":
@@ -276,9 +279,26 @@ def test_bad_launch_fails_early_with_a_clear_message(case, tiny_pair, tmp_path):
         extra, expected = ["--enable-lora"], "LoRA is only compatible with"
     elif case == "attention backend":  # no TARGET_VERIFY tree mask there
         extra, expected = ["--attention-backend", "torch_native"], "MFD on CPU needs --attention-backend mfd_cpu"
-    cmd = launch_command(target, port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",
-                         extra_args=extra)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return launch_command(target, port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",
+                          extra_args=extra), expected
+
+
+@pytest.fixture(scope="module")
+def bad_launches(tiny_pair, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
+    """Every bad launch, each with its own empty HF cache, all at once (each spends its seconds importing
+    SGLang on one core): case -> (the finished process, the message expected)."""
+    def run(case):
+        cache = tmp_path_factory.mktemp("hf_cache")
+        cmd, expected = bad_launch(case, tiny_pair, cache)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO), expected
+
+    with concurrent.futures.ThreadPoolExecutor(len(BAD_LAUNCHES)) as pool:
+        return dict(zip(BAD_LAUNCHES, pool.map(run, BAD_LAUNCHES)))
+
+
+@pytest.mark.parametrize("case", BAD_LAUNCHES)
+def test_bad_launch_fails_early_with_a_clear_message(case, bad_launches):
+    proc, expected = bad_launches[case]
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]

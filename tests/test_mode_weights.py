@@ -1,6 +1,6 @@
 """The weighted mixture tree: the tree of `weigh_modes(logprobs, log_prior)` holds the B prefixes with the
 highest s(u) = max_k [log pi_k + sum_i logprobs_k,i(u_i)], exactly, ties included, for the torch backend
-and (under the Triton interpreter, in a subprocess as tests/test_tree_triton.py runs it) the Triton one.
+and (under the Triton interpreter, through tests/interpreted.py as the kernel tests run) the Triton one.
 
 The reference enumerates every prefix and sums its scores in the tree's documented order and float type,
 (log pi_k + lp_k,1) + lp_k,2 + ..., so scores compare exactly. With ties, which of several equal-score
@@ -12,13 +12,10 @@ lowest best mode.
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
+from interpreted import main, run_cases
 from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree, top_candidates, weigh_modes
 
 
@@ -152,11 +149,11 @@ def test_a_heavier_mode_takes_a_small_budget() -> None:
     assert torch.equal(heavy.scores[0], torch.full((3,), 0.8, dtype=torch.float64).log())
 
 
-def triton_case() -> None:
+def triton_trees(selected: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """In the interpreter: the Triton tree of weighted log-probs (full, at half the prefixes) and of
     weighted candidates (every prefix, ties and padding at its end) against the reference, and bit for
     bit against the torch tree."""
-    for lp, prior in cases(torch.float32):
+    for lp, prior in selected:
         every = budgets(lp)[-2]
         for budget, given in ((every // 2, weigh_modes(lp, prior)),
                               (every + 3, weigh_modes(top_candidates(lp, every + 3), prior))):
@@ -167,17 +164,15 @@ def triton_case() -> None:
                 check_weighted_tree(item(got, b), lp[b], prior[b], budget)
 
 
+CASES = {  # cases()' random log-probs, and its quantised, identical-mode and -inf ones
+    "case_random": lambda: triton_trees(cases(torch.float32)[0:8:2]),
+    "case_ties_and_minus_inf": lambda: triton_trees(cases(torch.float32)[1:8:2] + cases(torch.float32)[8:]),
+}
+
+
 def test_triton_weighted_tree_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, __file__], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert result.stdout.split() == ["triton_case"]
+    run_cases(__file__, CASES, timeout=900)
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    triton_case()
-    print("triton_case", flush=True)
+    main(CASES)

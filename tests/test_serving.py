@@ -3,6 +3,7 @@ checks and the drafter context pool (held to the drafter's own context K/V)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -81,21 +82,25 @@ def test_the_launch_says_what_it_changes_and_refuses_8_bit_kv_caches(tiny_pair):
     """On SGLang's real argument parsing and resolution: every flag MFD sets or overrides is a warning naming it
     (as SGLang's DFLASH warns for the same ones); an 8-bit target or draft KV cache dtype is refused naming the
     flag (the drafter's context pool would not be in it); a bf16 one is served."""
-    [plain], defaults = resolve(tiny_pair, [], with_log=True)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each resolution imports SGLang, on one core
+        first = pool.submit(resolve, tiny_pair, [], with_log=True)
+        second = pool.submit(resolve, tiny_pair, ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                                                  "--enable-mixed-chunk", "--max-running-requests", "8",
+                                                  "--speculative-num-draft-tokens", "9"], with_log=True)
+        kv_caches = pool.submit(resolve, tiny_pair, ["--kv-cache-dtype", "fp8_e4m3"],
+                                ["--speculative-draft-kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "bf16"])
+    [plain], defaults = first.result()
     assert "error" not in plain, plain
     assert "speculative_num_draft_tokens is not set; defaulting to 17 for MFD" in defaults, defaults[-3000:]
     assert "Max running requests is reset to 48" in defaults, defaults[-3000:]
     assert "overriding" not in defaults, defaults[-3000:]
-    [overridden], log = resolve(tiny_pair, ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
-                                            "--enable-mixed-chunk", "--max-running-requests", "8",
-                                            "--speculative-num-draft-tokens", "9"], with_log=True)
+    [overridden], log = second.result()
     assert "error" not in overridden, overridden
     for said in ("overriding speculative_num_steps=3 to 1", "overriding speculative_eagle_topk=4 to 1",
                  "overriding --enable-mixed-chunk to off"):
         assert said in log, (said, log[-3000:])
     assert "Max running requests is reset" not in log and "is not set; defaulting" not in log, log[-3000:]
-    target, draft, bf16 = resolve(tiny_pair, ["--kv-cache-dtype", "fp8_e4m3"],
-                                  ["--speculative-draft-kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "bf16"])
+    target, draft, bf16 = kv_caches.result()
     assert "--kv-cache-dtype fp8_e4m3: MFD keeps the drafter's context in the model dtype" in target.get("error", "")
     assert "--speculative-draft-kv-cache-dtype fp8_e5m2: MFD keeps" in draft.get("error", ""), draft
     assert "error" not in bf16, bf16
@@ -106,18 +111,20 @@ def test_mfd_options_are_sglang_flags(tiny_pair, tmp_path):
     their group, set from a --config YAML as from the command line, checked at launch with messages naming
     the flag, and refused on a server that does not run MFD (a real CPU server reads them: the automatic-budget
     and MFD_D server tests pass them as flags)."""
-    help_text = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
-                               text=True, timeout=300, cwd=tmp_path).stdout
+    config = tmp_path / "mfd.yaml"
+    config.write_text("mfd-num-modes: 2\nmfd-switch-threshold: 5\nmfd-mode-subsets: off\n")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each imports SGLang, on one core
+        resolved = pool.submit(
+            resolve, tiny_pair, ["--config", str(config)],
+            ["--mfd-num-modes", "2", "--mfd-switch-threshold", "5", "--mfd-mode-subsets", "off"],
+            ["--mfd-num-modes", "9"], ["--mfd-auto-budget", "--mfd-switch-threshold", "2"],
+            ["--speculative-algorithm", "EAGLE", "--mfd-auto-budget"])
+        help_text = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
+                                   text=True, timeout=300, cwd=tmp_path).stdout
     assert "MFD speculative decoding (mfd_sglang plugin" in help_text, help_text[-2000:]
     for flag in ("--mfd-switch-threshold", "--mfd-num-modes", "--mfd-auto-budget", "--mfd-mode-subsets"):
         assert flag in help_text, flag
-    config = tmp_path / "mfd.yaml"
-    config.write_text("mfd-num-modes: 2\nmfd-switch-threshold: 5\nmfd-mode-subsets: off\n")
-    yaml, flags, too_many, both, plain = resolve(
-        tiny_pair, ["--config", str(config)],
-        ["--mfd-num-modes", "2", "--mfd-switch-threshold", "5", "--mfd-mode-subsets", "off"],
-        ["--mfd-num-modes", "9"], ["--mfd-auto-budget", "--mfd-switch-threshold", "2"],
-        ["--speculative-algorithm", "EAGLE", "--mfd-auto-budget"])
+    yaml, flags, too_many, both, plain = resolved.result()
     assert yaml == flags and flags["mfd_options"] == {"num_modes": 2, "switch_threshold": 5, "mode_subsets": False}
     assert "--mfd-num-modes 9 but the drafter at" in too_many.get("error", ""), too_many
     assert "--mfd-auto-budget chooses MFD_D's drafting path itself; drop --mfd-switch-threshold 2" in \
