@@ -39,6 +39,12 @@ def rank_key(score, index):
 
 
 @triton.jit
+def _flip16(bits):
+    """The 16-bit twin of `_ordered`'s flip: negative values' magnitude bits inverted (an involution)."""
+    return bits ^ ((bits >> 15) & 0x7FFF)
+
+
+@triton.jit
 def _ordered16(x, IS_BF16: tl.constexpr):
     """float32 holding a bfloat16 (IS_BF16) or float16 value -> int32 in [-2^15, 2^15) with the same
     order (-0.0 and +0.0 map alike)."""
@@ -47,7 +53,7 @@ def _ordered16(x, IS_BF16: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True) >> 16  # a bfloat16 is the high half of its float32
     else:
         bits = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return bits ^ ((bits >> 15) & 0x7FFF)
+    return _flip16(bits)
 
 
 @triton.jit
@@ -63,8 +69,7 @@ def short_rank_key(score, local, IS_BF16: tl.constexpr):
 def short_key_to_rank_key(key, first, IS_BF16: tl.constexpr):
     """The int64 `rank_key` of the score and index `first + local` a `short_rank_key` holds;
     `MIN_SHORT_KEY` -> `MIN_KEY`."""
-    order = key >> 16
-    bits = order ^ ((order >> 15) & 0x7FFF)
+    bits = _flip16(key >> 16)
     if IS_BF16:
         score = (bits << 16).to(tl.float32, bitcast=True)
     else:
@@ -95,9 +100,3 @@ def require_cuda(tensor, what: str, hint: str = "") -> None:
     if not tensor.is_cuda and not is_interpreted():
         raise ValueError(f"{what} needs CUDA tensors or TRITON_INTERPRET=1 (set before triton is imported), got "
                          f"a tensor on {tensor.device}{hint}")
-
-
-def pow2(n: int) -> int:
-    """n rounded up to a power of two, at least 2: the lanes of a bitonic network over n keys (>= 2
-    keeps every top-k a real merge)."""
-    return max(2, triton.next_power_of_2(n))

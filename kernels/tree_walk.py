@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import pow2, require_cuda
+from mfd_sglang.drafter import pow2
+from mfd_sglang.kernels.rank_keys import require_cuda
 from mfd_sglang.tree import DraftTree
 from mfd_sglang.tree_layout import VerifyLayout
 from mfd_sglang.verify import TreeVerifyResult

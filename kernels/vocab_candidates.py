@@ -8,8 +8,10 @@ Fixed shapes and no host sync, so it can be captured in a CUDA graph. Two launch
      split's tiles of TILE_V weight rows. Per tile, the logits [ROWS, TILE_V] are a `tl.dot` over H
      in BLOCK_H chunks (float32 accumulation), rounded to the input dtype like torch's
      `(hidden @ weight.T).float()`; they feed an online (max, rescaled sum of exp) per row and a
-     running top-BB of rank keys per row (bitonic networks over [ROWS, N]). The logits never exist
-     beyond one tile. Per (row, split) it writes BB keys, the max and the sum.
+     running top-BB of rank keys per row (bitonic networks over [ROWS, N]), whose BB-th keys are a
+     running threshold: a tile that beats no row's threshold skips the merge (in real logits, most of
+     the vocabulary: see docs/results.md). The logits never exist beyond one tile. Per (row, split) it
+     writes BB keys, the max and the sum.
   2. `_vocab_finish_kernel`, one program per row: the top-`count` of its splits * BB keys, the
      splits' (max, sum) combined into the log-normaliser, the keys decoded, the log-probabilities.
 
@@ -39,10 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.drafter import VOCAB_SPLITS, VOCAB_TILE
+from mfd_sglang.drafter import VOCAB_SPLITS, VOCAB_TILE, pow2
 from mfd_sglang.kernels.bitonic import merge_top, merge_top_rows
 from mfd_sglang.kernels.rank_keys import (
-    MIN_KEY, MIN_SHORT_KEY, is_interpreted, key_index, key_score, pow2, rank_key, require_cuda,
+    MIN_KEY, MIN_SHORT_KEY, is_interpreted, key_index, key_score, rank_key, require_cuda,
     short_key_to_rank_key, short_rank_key,
 )
 from mfd_sglang.tree import DraftCandidates
@@ -56,11 +58,12 @@ _SHORT_KEY_ROWS = 2**16  # vocabulary rows a split of 16-bit inputs spans at mos
 
 @triton.jit
 def _vocab_top_kernel(
-    hidden_ptr, weight_ptr, keys_ptr, max_ptr, sum_ptr,
+    hidden_ptr, weight_ptr, keys_ptr, max_ptr, sum_ptr, skips_ptr,
     n_rows, V, H, tiles_per_split, n_splits,
     stride_hr, stride_hh, stride_wv, stride_wh,
     ROWS: tl.constexpr, TILE_V: tl.constexpr, BLOCK_H: tl.constexpr, BB: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SHORT_KEYS: tl.constexpr, IS_BF16: tl.constexpr,
+    COUNT_SKIPS: tl.constexpr,
 ):
     split = tl.program_id(1)  # row blocks vary fastest: programs sharing a split share its weight in L2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -74,6 +77,7 @@ def _vocab_top_kernel(
         running = tl.full([ROWS, BB], MIN_KEY, tl.int64)
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS], tl.float32)
+    skipped = 0
     first = split.to(tl.int64) * tiles_per_split * TILE_V  # int64: no overflow near V = 2^31
     last = tl.minimum(V, first + tiles_per_split * TILE_V)
     for start in range(first, last, TILE_V):  # every tile holds >= 1 real row: start < V
@@ -97,7 +101,14 @@ def _vocab_top_kernel(
                             MIN_SHORT_KEY)
         else:
             keys = tl.where(v_ok[None, :], rank_key(logits, v[None, :]), MIN_KEY)
-        running = merge_top_rows(running, keys, ROWS, TILE_V, BB)
+        # The running threshold: a tile with no key above any live row's current BB-th (`running` is
+        # sorted descending) cannot change the top-BB, so the program skips its merge (exact: keys are
+        # distinct). In real logits most of the vocabulary's tiles are such tails.
+        enters = (tl.max(keys, axis=1) > tl.min(running, axis=1)) & row_ok
+        if tl.max(enters.to(tl.int32), axis=0) > 0:
+            running = merge_top_rows(running, keys, ROWS, TILE_V, BB)
+        elif COUNT_SKIPS:
+            skipped += 1
         real = tl.where(v_ok[None, :], logits, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(real, axis=1))  # finite: the tile has a real row
         row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(real - new_max[:, None]), axis=1)
@@ -109,6 +120,9 @@ def _vocab_top_kernel(
     tl.store(keys_ptr + out[:, None] * BB + slot[None, :], running, mask=row_ok[:, None])
     tl.store(max_ptr + out, row_max, mask=row_ok)
     tl.store(sum_ptr + out, row_sum, mask=row_ok)
+    if COUNT_SKIPS:
+        tl.atomic_add(skips_ptr, skipped)
+        tl.atomic_add(skips_ptr + 1, tl.cdiv(last - first, TILE_V).to(tl.int32))
 
 
 @triton.jit
@@ -144,6 +158,7 @@ def _vocab_finish_kernel(
 def vocab_top_logits_triton(
     hidden: torch.Tensor, weight: torch.Tensor, count: int, *, tile_v: int | None = None,
     block_h: int | None = None, rows_per_block: int | None = None, max_splits: int | None = None,
+    skips: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The `count` best rows of `hidden @ weight.T` per leading index: (logits [..., C] float32, ids
     [..., C] int64, log-normaliser [...] float32, log-probabilities = logits - log-normaliser [..., C]),
@@ -154,6 +169,8 @@ def vocab_top_logits_triton(
     The keyword arguments tune the launch (powers of two; None picks a default): weight rows per
     tile (>= the top width), hidden chunk of one dot (>= 16), rows per program (>= 16), and an upper
     bound on the vocabulary splits (which 16-bit inputs exceed where a split would span > 2^16 rows).
+    skips: an int32 tensor [2] on hidden's device (diagnostics: the running threshold's effect) to which
+    the launch adds the (program, tile) merges it skipped and the (program, tile) pairs it ran.
     """
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden [..., H] and weight [V, H] do not match: {tuple(hidden.shape)}, "
@@ -166,6 +183,9 @@ def vocab_top_logits_triton(
     if hidden.device != weight.device:
         raise ValueError(f"hidden is on {hidden.device}, weight on {weight.device}")
     require_cuda(hidden, "the Triton vocab_candidates")
+    if skips is not None and (skips.shape != (2,) or skips.dtype != torch.int32 or skips.device != hidden.device):
+        raise ValueError(f"skips must be an int32 tensor [2] on {hidden.device}, got {skips.dtype} "
+                         f"{tuple(skips.shape)} on {skips.device}")
     vocab, size = weight.shape
     if not 0 < vocab < 2**31:
         raise ValueError(f"the vocabulary must have 1 .. 2^31 - 1 rows, not {vocab}")
@@ -203,7 +223,7 @@ def vocab_top_logits_triton(
     maxes = torch.empty(n_rows, splits, dtype=torch.float32, device=dev)
     sums = torch.empty(n_rows, splits, dtype=torch.float32, device=dev)
     _vocab_top_kernel[(row_blocks, splits)](
-        rows, weight, keys, maxes, sums,
+        rows, weight, keys, maxes, sums, keys if skips is None else skips,
         n_rows, vocab, size, tiles_per_split, splits,
         rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1),
         ROWS=block_rows, TILE_V=tile, BLOCK_H=chunk, BB=bb,
@@ -211,7 +231,7 @@ def vocab_top_logits_triton(
         # float32 inputs: full-precision products like torch's default matmul (no TF32); 16-bit
         # inputs ignore it (tensor cores, float32 accumulation).
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-        SHORT_KEYS=short_keys, IS_BF16=hidden.dtype == torch.bfloat16,
+        SHORT_KEYS=short_keys, IS_BF16=hidden.dtype == torch.bfloat16, COUNT_SKIPS=skips is not None,
         num_warps=4 if block_rows * tile <= 2048 else 8,
     )
     logits = torch.empty(n_rows, count, dtype=torch.float32, device=dev)

@@ -53,6 +53,12 @@ VOCAB_CHUNK = 4096
 # The Triton backend's vocabulary rows per tile (at least B) and splits at most (below 2^23 rows): its
 # scratch holds B keys, a max and a sum per split of every row.
 VOCAB_TILE, VOCAB_SPLITS = 128, 128
+
+
+def pow2(n: int) -> int:
+    """n rounded up to a power of two, at least 2: the lanes of a bitonic network over n keys (>= 2 keeps every
+    top-k a real merge), e.g. the B keys a vocabulary split keeps."""
+    return 1 << max(1, (n - 1).bit_length())
 # The linears of every drafter layer that FP8 drafting quantizes (SGLang's DFlash draft model passes its
 # quantization config to these and keeps `fc` a plain linear).
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -314,16 +320,17 @@ class DrafterLayer(nn.Module):
         return (q.transpose(1, 2), *self.keys_values(h, rope))
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: Rope, attend,
-                backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                backend: str = "torch", normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x + delta [bs, K*T, H] (mode-major; delta None: x alone) through the layer, as
         (its stream after attention, the MLP's output): the next layer (or the final norm) adds them, in one
         launch with its norm on the "triton" backend (`MFDDrafter.kernel_backend`). rope: the tables of its
         positions [bs, K*T]; `attend(q, k, v)` joins the block's queries / keys / values [bs, heads, K*T, hd]
         (views of [bs, K*T, heads, hd]) with the context (`dense_attention` or a paged context's mode
-        attention) and returns [bs, heads, K*T, hd]."""
+        attention) and returns [bs, heads, K*T, hd]. normed: x's input norm where the caller made it (delta
+        None: the block input kernel's)."""
         bs, rows, _ = x.shape
         eps = self.cfg.rms_norm_eps
-        x, h = residual_rms_norm(x, delta, self.input_layernorm, eps, backend)
+        x, h = (x, normed) if normed is not None else residual_rms_norm(x, delta, self.input_layernorm, eps, backend)
         attn = attend(*self.queries_keys_values(h, rope, backend))
         # A view when attend's output is laid out [bs, K*T, heads, hd] (mode attention's is); else a copy.
         x, h = residual_rms_norm(x, self.o_proj(attn.transpose(1, 2).reshape(bs, rows, -1)),
@@ -505,13 +512,23 @@ class MFDDrafter(nn.Module):
         (the mode gate's input), as a tuple.
         """
         bs, t, h = block_embeds.shape
-        modes = (self.mode_embed[mode_ids] if mode_ids is not None
-                 else self.mode_vectors(single_mode)[None]).to(block_embeds.dtype)  # [bs or 1, K', H]
+        modes = self.block_modes(single_mode, mode_ids, block_embeds.dtype)
         k = modes.shape[1]
         x = (block_embeds[:, None] + modes[:, :, None]).reshape(bs, k * t, h)
-        positions = block_positions.repeat(1, k)
+        return self.run_layers(x, None, block_positions.repeat(1, k), t, context, with_anchor)
+
+    def block_modes(self, single_mode: bool, mode_ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The mode vectors [bs or 1, K', H] a block adds (`forward`'s single_mode / mode_ids)."""
+        return (self.mode_embed[mode_ids] if mode_ids is not None else self.mode_vectors(single_mode)[None]).to(dtype)
+
+    def run_layers(self, x: torch.Tensor, normed: torch.Tensor | None, positions: torch.Tensor, t: int, context,
+                   with_anchor: bool):
+        """`forward` from its block input: the residual stream x [bs, K'*T, H] (mode-major), its first norm
+        (None: the first layer makes it) and positions [bs, K'*T]."""
+        bs, rows, h = x.shape
+        k = rows // t
         if isinstance(context, DraftContext):
-            masks = self._attention_mask(context, block_positions, k)
+            masks = self._attention_mask(context, positions[:, :t], k)
             attends = [partial(dense_attention, context.keys[i], context.values[i], masks[i])
                        for i in range(len(self.layers))]
         else:  # a paged context (mfd_sglang.serving.draft_context_pool.PagedDraftContext)
@@ -519,7 +536,8 @@ class MFDDrafter(nn.Module):
         rope = self.rope_at(positions, x.dtype)
         delta = None
         for layer, attend in zip(self.layers, attends):
-            x, delta = layer(x, delta, rope, attend, self.kernel_backend)
+            x, delta = layer(x, delta, rope, attend, self.kernel_backend, normed)
+            normed = None
         x = residual_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps, self.kernel_backend)[1].view(bs, k, t, h)
         drafted = x[:, :, 1:].contiguous()
         return (drafted, x[:, :, 0]) if with_anchor else drafted
@@ -579,12 +597,21 @@ class MFDDrafter(nn.Module):
         """(final hidden states [bs, K', D, H], the mode log-prior [bs, K'] or None: `mode_log_prior`) of
         the blocks `[root, MASK...]` at positions starts.. over the context (DraftContext or paged), with the
         target's embeddings. modes: draft only each request's modes of the subset, weighed by its log-prior."""
-        block = self.cfg.block_size
-        tokens = torch.full((roots.shape[0], block), self.cfg.mask_token_id, device=roots.device)
-        tokens[:, 0] = roots
-        positions = starts[:, None].long() + torch.arange(block, device=roots.device)
-        hidden, anchor = self(embed_weight[tokens], positions, context, single_mode=single_mode,
-                              mode_ids=None if modes is None else modes.ids, with_anchor=True)
+        block, mode_ids = self.cfg.block_size, None if modes is None else modes.ids
+        if self.kernel_backend == "triton":  # the block input in one launch
+            from mfd_sglang.kernels.block_input import block_input
+
+            x, normed, positions = block_input(roots, starts, embed_weight,
+                                               self.block_modes(single_mode, mode_ids, embed_weight.dtype),
+                                               self.cfg.mask_token_id, self.layers[0].input_layernorm,
+                                               self.cfg.rms_norm_eps, block)
+            hidden, anchor = self.run_layers(x, normed, positions, block, context, with_anchor=True)
+        else:
+            tokens = torch.full((roots.shape[0], block), self.cfg.mask_token_id, device=roots.device)
+            tokens[:, 0] = roots
+            positions = starts[:, None].long() + torch.arange(block, device=roots.device)
+            hidden, anchor = self(embed_weight[tokens], positions, context, single_mode=single_mode,
+                                  mode_ids=mode_ids, with_anchor=True)
         return hidden, self.mode_log_prior(anchor) if modes is None else modes.log_prior
 
     def block_logprobs(self, roots: torch.Tensor, starts: torch.Tensor, context, embed_weight: torch.Tensor,

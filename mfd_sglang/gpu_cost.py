@@ -188,9 +188,21 @@ def attention_cost(q, k, v, mask) -> tuple[int, int]:
 
 
 def triton_bytes(launch: TritonLaunch) -> int:
-    """Every tensor argument once, except the pools read in place: `_mode_attention_kernel` reads each
-    request's context rows (context_len per request and kv head) of PK / PV and req_to_token."""
+    """Every tensor argument once, except the tables read in part: `_mode_attention_kernel` reads each
+    request's context rows (context_len per request and kv head) of PK / PV and req_to_token;
+    `_block_input_kernel` two embedding rows per request (its root's, the mask's); `_commit_rows_kernel` the
+    committed rows of the window's features."""
     args = launch.args
+
+    def whole(*names):
+        return sum(args[n].numel() * args[n].element_size() for n in names)
+
+    if launch.name == "_block_input_kernel":
+        embed = args["embed_ptr"]
+        return 2 * args["roots_ptr"].numel() * embed.shape[1] * embed.element_size() + whole(
+            "roots_ptr", "starts_ptr", "modes_ptr", "norm_ptr", "x_ptr", "normed_ptr", "positions_ptr")
+    if launch.name == "_commit_rows_kernel":
+        return 2 * whole("rows_ptr") + whole("accepted_ptr", "seq_lens_ptr", "path_ptr", "positions_ptr")
     if launch.name == "_mode_attention_kernel":
         bs, kv_heads = args["Q"].shape[0], args["BK"].shape[1]
         rows = bs * launch.context_len

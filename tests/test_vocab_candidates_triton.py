@@ -127,6 +127,24 @@ def case_ties(device="cpu", dtypes=CPU_DTYPES, sync_check=False):
             assert ids[0, :len(best)].tolist() == best, ids
 
 
+def case_threshold(device="cpu", dtypes=CPU_DTYPES, sync_check=False):
+    """The running threshold skips the merges of tiles that beat no row's current B-th key, and only those:
+    64 rows far above the rest lead the first of two splits (its 8 later tiles are tails, skipped), and 16
+    of them sit in the last tile of the second split, which must still enter."""
+    hidden, weight = small_ints(20, (4, 5, 32), -1, 2), small_ints(21, (1100, 32), -1, 2)
+    hidden[..., 0] = 10.0
+    weight[:, 0] = 0.0
+    head = [*range(64), *range(1084, 1100)]
+    weight[head, 0] = 12.0  # +120 over logits of |.| <= 31: all exact in bfloat16
+    for dtype in dtypes:
+        skips = torch.zeros(2, dtype=torch.int32, device=device)
+        ids = assert_exact(hidden.to(device, dtype), weight.to(device, dtype), 50, sync_check=sync_check,
+                           tile_v=64, max_splits=2, skips=skips)
+        assert set(ids[..., :16].flatten().tolist()) <= set(head), ids
+        assert skips.tolist()[1] == 18, skips  # one row block x 18 tiles
+        assert skips.tolist()[0] >= 8, skips  # split 0's tails at least
+
+
 def case_drafter(device="cpu", dtypes=(torch.float32,), sync_check=False):
     """MFDDrafter.block_candidates threads the backend: float32 random inputs, so the logits agree
     up to the GEMMs' summation order (no near-ties at this seed)."""
@@ -144,7 +162,7 @@ def case_drafter(device="cpu", dtypes=(torch.float32,), sync_check=False):
             torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
 
 
-CASES = {fn.__name__: fn for fn in (case_ties, case_shapes, case_drafter)}  # case_shapes alone on a core
+CASES = {fn.__name__: fn for fn in (case_ties, case_shapes, case_drafter, case_threshold)}  # 2 per core
 
 
 def test_interpreter_matches_torch() -> None:

@@ -52,14 +52,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -443,7 +439,7 @@ class CpuSdpaAttnBackend(_base_cls()):
         )
 
     def _extend(self, q, k, v, o, layer, meta: _ExtendMeta):
-        hq, hkv, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
+        hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         q3 = q.view(-1, hq, d)
         o3 = o.view(-1, hq, dv)
         kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)

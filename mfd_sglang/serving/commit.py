@@ -26,8 +26,19 @@ from .draft_context_pool import DeferredContextWrites, DraftContextPool
 def committed_window_path(result: TreeVerifyResult, width: int) -> torch.Tensor:
     """[bs, width] window indices of the committed tokens in order: the root (0), then the accepted
     nodes by depth, then -1 past each request's accepted path."""
-    path = result.accepted_local_indices[:, : width - 1]
-    return with_root(0, path)
+    return with_root(0, result.accepted_local_indices[:, : width - 1])
+
+
+def commit_rows(accepted: torch.Tensor, window_hidden: torch.Tensor, seq_lens: torch.Tensor,
+                width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(path [bs, W], rows [bs * W, F], positions [bs * W]) of a commit of width W: the committed window
+    indices (`committed_window_path`), the target's features window_hidden [bs, N, F] at them (the root's
+    past the path) and their positions seq_lens[r] + j (int64), from the verify's accepted window indices
+    accepted [bs, >= W - 1] (-1 past the path). The torch path of `kernels/commit_rows.py`."""
+    path = with_root(0, accepted[:, : width - 1])
+    rows = path.clamp(min=0)[:, :, None].expand(-1, -1, window_hidden.shape[-1])
+    positions = seq_lens[:, None].long() + torch.arange(width, device=seq_lens.device)
+    return path, window_hidden.gather(1, rows).flatten(0, 1), positions.flatten()
 
 
 def commit_round(result: TreeVerifyResult, window_hidden: torch.Tensor, seq_lens: torch.Tensor,
@@ -43,11 +54,11 @@ def commit_round(result: TreeVerifyResult, window_hidden: torch.Tensor, seq_lens
     for a later batched write). Fixed shapes, no host sync.
     """
     width = min(drafter.cfg.block_size, window_slots.shape[1])  # root + the longest possible path
-    path = committed_window_path(result, width)
-    commit_target(path)
     # Rows past a request's accepted length land in slots it has reserved but not committed;
     # the round that commits those positions overwrites them.
-    rows = path.clamp(min=0)[:, :, None].expand(-1, -1, window_hidden.shape[-1])
-    hidden = window_hidden.gather(1, rows)
-    positions = seq_lens[:, None].long() + torch.arange(width, device=seq_lens.device)
-    context_pool.write(drafter, hidden.flatten(0, 1), positions.flatten(), window_slots[:, :width].flatten())
+    rows_of = commit_rows
+    if drafter.kernel_backend == "triton":  # the same in one launch
+        from mfd_sglang.kernels.commit_rows import commit_rows as rows_of
+    path, hidden, positions = rows_of(result.accepted_local_indices, window_hidden, seq_lens, width)
+    commit_target(path)
+    context_pool.write(drafter, hidden, positions, window_slots[:, :width].flatten())

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from mfd_sglang.checkpoint import DrafterConfig
-from mfd_sglang.drafter import VOCAB_CHUNK, VOCAB_SPLITS, VOCAB_TILE, fp8_linear_shapes
+from mfd_sglang.drafter import VOCAB_CHUNK, VOCAB_SPLITS, VOCAB_TILE, fp8_linear_shapes, pow2
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class MemoryPlan:
         layer = block_rows * ((3 * self.intermediate + self.attention_width + 2 * self.hidden) * self.dtype_bytes
                               + self.fp8_bytes_per_row)
         # The torch chunk's logits and keys, or the Triton kernel's scratch (its splits' keys, max and sum).
-        keys = 1 << max(1, (count - 1).bit_length())
+        keys = pow2(count)
         splits = min(VOCAB_SPLITS, -(-self.draft_vocab // VOCAB_TILE))
         scoring = draft_rows * max(chunk * (self.dtype_bytes + SCORING_BYTES_PER_ENTRY),
                                    splits * (INT64 * keys + 2 * FLOAT32))
