@@ -1,5 +1,6 @@
 """How often the fused vocabulary kernel's running threshold skips a tile's merge on real logits
-(`kernels/vocab_candidates.py`: a tile whose keys beat no row's current B-th key is not merged).
+(`kernels/vocab_candidates.py`: a tile whose keys beat no row's current B-th key is not merged), forced on
+at every plan here (serving turns it on only where this measured it to pay).
 
 Random logits never skip (every tile brings new top-B entries to some row); this measures real ones.
 The hidden states are SmolLM2-135M-Instruct's own final-normed states over real prompts (HumanEval code,
@@ -46,7 +47,8 @@ def skipped_share(hidden: torch.Tensor, weight: torch.Tensor, count: int, rows: 
     skips = torch.zeros(2, dtype=torch.int32, device=hidden.device)
     tiles = -(-weight.shape[0] // TILE)
     splits = max(1, tiles // tiles_per_split)
-    vocab_top_logits_triton(hidden, weight, count, tile_v=TILE, rows_per_block=rows, max_splits=splits, skips=skips)
+    vocab_top_logits_triton(hidden, weight, count, tile_v=TILE, rows_per_block=rows, max_splits=splits,
+                            threshold=True, skips=skips)
     skipped, ran = skips.tolist()
     return {"splits": splits, "tiles_per_split": -(-tiles // splits), "skipped": skipped, "tiles": ran,
             "share": skipped / ran}

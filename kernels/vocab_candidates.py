@@ -8,10 +8,13 @@ Fixed shapes and no host sync, so it can be captured in a CUDA graph. Two launch
      split's tiles of TILE_V weight rows. Per tile, the logits [ROWS, TILE_V] are a `tl.dot` over H
      in BLOCK_H chunks (float32 accumulation), rounded to the input dtype like torch's
      `(hidden @ weight.T).float()`; they feed an online (max, rescaled sum of exp) per row and a
-     running top-BB of rank keys per row (bitonic networks over [ROWS, N]), whose BB-th keys are a
-     running threshold: a tile that beats no row's threshold skips the merge (in real logits, most of
-     the vocabulary: see docs/results.md). The logits never exist beyond one tile. Per (row, split) it
-     writes BB keys, the max and the sum.
+     running top-BB of rank keys per row (bitonic networks over [ROWS, N]). The logits never exist
+     beyond one tile. Per (row, split) it writes BB keys, the max and the sum.
+     The running threshold: where B <= 16 and a split has >= 64 tiles, a tile that beats no row's
+     current BB-th key skips the merge. On SmolLM2's real logits (`benchmarks/vocab_threshold.py`) that
+     skipped 17-22 % of the merges at bs 32's launch plan and B = 16, but <= 2 % at B = 64 and none at
+     bs 1's (11 tiles a split), while the check costs ~6 % more instructions a tile (and, at B = 64, ~50
+     more registers): elsewhere it is compiled out.
   2. `_vocab_finish_kernel`, one program per row: the top-`count` of its splits * BB keys, the
      splits' (max, sum) combined into the log-normaliser, the keys decoded, the log-probabilities.
 
@@ -54,6 +57,7 @@ _MAX_ROWS = 64  # rows per program at most (int32 keys; int64 half): bounds the 
 _BLOCK_H = 64  # hidden chunk of one tl.dot
 _FINISH_TILE = 1024  # keys per merge of the finishing kernel
 _SHORT_KEY_ROWS = 2**16  # vocabulary rows a split of 16-bit inputs spans at most
+_THRESHOLD_MAX_BB, _THRESHOLD_MIN_TILES = 16, 64  # where the running threshold is on (module docstring)
 
 
 @triton.jit
@@ -63,7 +67,7 @@ def _vocab_top_kernel(
     stride_hr, stride_hh, stride_wv, stride_wh,
     ROWS: tl.constexpr, TILE_V: tl.constexpr, BLOCK_H: tl.constexpr, BB: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SHORT_KEYS: tl.constexpr, IS_BF16: tl.constexpr,
-    COUNT_SKIPS: tl.constexpr,
+    THRESHOLD: tl.constexpr, COUNT_SKIPS: tl.constexpr,
 ):
     split = tl.program_id(1)  # row blocks vary fastest: programs sharing a split share its weight in L2
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -101,14 +105,16 @@ def _vocab_top_kernel(
                             MIN_SHORT_KEY)
         else:
             keys = tl.where(v_ok[None, :], rank_key(logits, v[None, :]), MIN_KEY)
-        # The running threshold: a tile with no key above any live row's current BB-th (`running` is
-        # sorted descending) cannot change the top-BB, so the program skips its merge (exact: keys are
-        # distinct). In real logits most of the vocabulary's tiles are such tails.
-        enters = (tl.max(keys, axis=1) > tl.min(running, axis=1)) & row_ok
-        if tl.max(enters.to(tl.int32), axis=0) > 0:
+        if THRESHOLD:
+            # A tile with no key above any live row's current BB-th (`running` is sorted descending) cannot
+            # change the top-BB: the program skips its merge (exact: keys are distinct).
+            enters = (tl.max(keys, axis=1) > tl.min(running, axis=1)) & row_ok
+            if tl.max(enters.to(tl.int32), axis=0) > 0:
+                running = merge_top_rows(running, keys, ROWS, TILE_V, BB)
+            elif COUNT_SKIPS:
+                skipped += 1
+        else:
             running = merge_top_rows(running, keys, ROWS, TILE_V, BB)
-        elif COUNT_SKIPS:
-            skipped += 1
         real = tl.where(v_ok[None, :], logits, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(real, axis=1))  # finite: the tile has a real row
         row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(real - new_max[:, None]), axis=1)
@@ -158,7 +164,7 @@ def _vocab_finish_kernel(
 def vocab_top_logits_triton(
     hidden: torch.Tensor, weight: torch.Tensor, count: int, *, tile_v: int | None = None,
     block_h: int | None = None, rows_per_block: int | None = None, max_splits: int | None = None,
-    skips: torch.Tensor | None = None,
+    threshold: bool | None = None, skips: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The `count` best rows of `hidden @ weight.T` per leading index: (logits [..., C] float32, ids
     [..., C] int64, log-normaliser [...] float32, log-probabilities = logits - log-normaliser [..., C]),
@@ -169,8 +175,9 @@ def vocab_top_logits_triton(
     The keyword arguments tune the launch (powers of two; None picks a default): weight rows per
     tile (>= the top width), hidden chunk of one dot (>= 16), rows per program (>= 16), and an upper
     bound on the vocabulary splits (which 16-bit inputs exceed where a split would span > 2^16 rows).
-    skips: an int32 tensor [2] on hidden's device (diagnostics: the running threshold's effect) to which
-    the launch adds the (program, tile) merges it skipped and the (program, tile) pairs it ran.
+    threshold: the running threshold on or off (None: where it pays, see the module docstring); skips: an
+    int32 tensor [2] on hidden's device to which a launch with the threshold adds the (program, tile) merges
+    it skipped and the (program, tile) pairs it ran (diagnostics).
     """
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden [..., H] and weight [V, H] do not match: {tuple(hidden.shape)}, "
@@ -218,6 +225,10 @@ def vocab_top_logits_triton(
         splits = max(splits, triton.cdiv(tiles, _SHORT_KEY_ROWS // tile))
     tiles_per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, tiles_per_split)  # no split without a tile
+    if threshold is None:
+        threshold = bb <= _THRESHOLD_MAX_BB and tiles_per_split >= _THRESHOLD_MIN_TILES
+    if skips is not None and not threshold:
+        raise ValueError("skips counts the running threshold's skipped merges: it needs threshold on")
 
     keys = torch.empty(n_rows, splits, bb, dtype=torch.int64, device=dev)
     maxes = torch.empty(n_rows, splits, dtype=torch.float32, device=dev)
@@ -231,7 +242,8 @@ def vocab_top_logits_triton(
         # float32 inputs: full-precision products like torch's default matmul (no TF32); 16-bit
         # inputs ignore it (tensor cores, float32 accumulation).
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-        SHORT_KEYS=short_keys, IS_BF16=hidden.dtype == torch.bfloat16, COUNT_SKIPS=skips is not None,
+        SHORT_KEYS=short_keys, IS_BF16=hidden.dtype == torch.bfloat16, THRESHOLD=threshold,
+        COUNT_SKIPS=skips is not None,
         num_warps=4 if block_rows * tile <= 2048 else 8,
     )
     logits = torch.empty(n_rows, count, dtype=torch.float32, device=dev)

@@ -139,10 +139,14 @@ def case_threshold(device="cpu", dtypes=CPU_DTYPES, sync_check=False):
     for dtype in dtypes:
         skips = torch.zeros(2, dtype=torch.int32, device=device)
         ids = assert_exact(hidden.to(device, dtype), weight.to(device, dtype), 50, sync_check=sync_check,
-                           tile_v=64, max_splits=2, skips=skips)
+                           tile_v=64, max_splits=2, threshold=True, skips=skips)
         assert set(ids[..., :16].flatten().tolist()) <= set(head), ids
         assert skips.tolist()[1] == 18, skips  # one row block x 18 tiles
         assert skips.tolist()[0] >= 8, skips  # split 0's tails at least
+    # B <= 16 and one split of 69 tiles: the threshold is on by default.
+    skips = torch.zeros(2, dtype=torch.int32, device=device)
+    assert_exact(hidden.to(device), weight.to(device), 12, sync_check=sync_check, tile_v=16, max_splits=1, skips=skips)
+    assert skips.tolist()[1] == 69 and skips.tolist()[0] >= 60, skips
 
 
 def case_drafter(device="cpu", dtypes=(torch.float32,), sync_check=False):
