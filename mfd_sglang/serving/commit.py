@@ -56,9 +56,11 @@ def commit_round(result: TreeVerifyResult, window_hidden: torch.Tensor, seq_lens
     width = min(drafter.cfg.block_size, window_slots.shape[1])  # root + the longest possible path
     # Rows past a request's accepted length land in slots it has reserved but not committed;
     # the round that commits those positions overwrites them.
-    rows_of = commit_rows
     if drafter.kernel_backend == "triton":  # the same in one launch
-        from mfd_sglang.kernels.commit_rows import commit_rows as rows_of
-    path, hidden, positions = rows_of(result.accepted_local_indices, window_hidden, seq_lens, width)
+        from mfd_sglang.kernels import commit_rows as fused
+
+        path, hidden, positions = fused.commit_rows(result.accepted_local_indices, window_hidden, seq_lens, width)
+    else:
+        path, hidden, positions = commit_rows(result.accepted_local_indices, window_hidden, seq_lens, width)
     commit_target(path)
     context_pool.write(drafter, hidden, positions, window_slots[:, :width].flatten())
