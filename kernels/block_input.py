@@ -7,7 +7,7 @@ For requests r, modes m < K' and block slots t < T (row m * T + t of a request's
   normed[r, m*T + t]    = RMSNorm(x[r, m*T + t]) * norm_weight                    (float32 statistics)
   positions[r, m*T + t] = starts[r] + t                                           (int64)
 The sum is torch's (one rounding of the float32 sum of two values of the dtype); the norm is torch's up to
-float32 rounding, as `kernels/residual_mlp.py`'s. No host sync (CUDA-graph safe).
+float32 rounding (`kernels/residual_mlp.store_rms_norm`, the residual norm's own). No host sync (CUDA-graph safe).
 """
 
 import torch
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from mfd_sglang.kernels.rank_keys import require_cuda
+from mfd_sglang.kernels.residual_mlp import store_rms_norm
 
 
 @triton.jit
@@ -31,10 +32,7 @@ def _block_input_kernel(roots_ptr, starts_ptr, embed_ptr, modes_ptr, norm_ptr, x
     out = (req * rows + row) * H
     x = (embed + mode).to(x_ptr.dtype.element_ty)
     tl.store(x_ptr + out + col, x, mask=keep)
-    x = x.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    weight = tl.load(norm_ptr + col, mask=keep, other=0.0).to(tl.float32)
-    tl.store(normed_ptr + out + col, (x * inv_rms * weight).to(normed_ptr.dtype.element_ty), mask=keep)
+    store_rms_norm(normed_ptr + out, x.to(tl.float32), norm_ptr, col, keep, H, eps)
     tl.store(positions_ptr + req * rows + row, tl.load(starts_ptr + req).to(tl.int64) + slot)
 
 

@@ -18,6 +18,14 @@ from mfd_sglang.kernels.rank_keys import require_cuda
 
 
 @triton.jit
+def store_rms_norm(out_ptr, x, weight_ptr, col, keep, H, eps):
+    """Store RMSNorm(x) * weight of one row x (float32 [BLOCK], lanes col < H kept) in out's dtype."""
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    weight = tl.load(weight_ptr + col, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out_ptr + col, (x * inv_rms * weight).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, normed_ptr, H, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * H
     col = tl.arange(0, BLOCK)
@@ -26,10 +34,7 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, normed_ptr, H, e
         + tl.load(delta_ptr + row + col, mask=keep, other=0.0).to(tl.float32)
     total = total.to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row + col, total, mask=keep)
-    total = total.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(total * total, axis=0) / H + eps)
-    weight = tl.load(weight_ptr + col, mask=keep, other=0.0).to(tl.float32)
-    tl.store(normed_ptr + row + col, (total * inv_rms * weight).to(normed_ptr.dtype.element_ty), mask=keep)
+    store_rms_norm(normed_ptr + row, total.to(tl.float32), weight_ptr, col, keep, H, eps)
 
 
 @triton.jit

@@ -207,8 +207,7 @@ def triton_bytes(launch: TritonLaunch) -> int:
         bs, kv_heads = args["Q"].shape[0], args["BK"].shape[1]
         rows = bs * launch.context_len
         pool = 2 * rows * kv_heads * args["HEAD_DIM"] * args["PK"].element_size()
-        small = sum(args[n].numel() * args[n].element_size() for n in ("Q", "BK", "BV", "OUT", "REQ_IDX", "CTX_LENS"))
-        return pool + rows * args["REQ_TO_TOKEN"].element_size() + small
+        return pool + rows * args["REQ_TO_TOKEN"].element_size() + whole("Q", "BK", "BV", "OUT", "REQ_IDX", "CTX_LENS")
     return sum(t.numel() * t.element_size() for t in args.values() if torch.is_tensor(t))
 
 

@@ -23,10 +23,11 @@ from mfd_sglang.verify import TreeVerifyResult
 from .draft_context_pool import DeferredContextWrites, DraftContextPool
 
 
-def committed_window_path(result: TreeVerifyResult, width: int) -> torch.Tensor:
+def committed_window_path(accepted: torch.Tensor, width: int) -> torch.Tensor:
     """[bs, width] window indices of the committed tokens in order: the root (0), then the accepted
-    nodes by depth, then -1 past each request's accepted path."""
-    return with_root(0, result.accepted_local_indices[:, : width - 1])
+    nodes by depth (the verify's accepted window indices accepted [bs, >= width - 1]), then -1 past each
+    request's accepted path."""
+    return with_root(0, accepted[:, : width - 1])
 
 
 def commit_rows(accepted: torch.Tensor, window_hidden: torch.Tensor, seq_lens: torch.Tensor,
@@ -35,7 +36,7 @@ def commit_rows(accepted: torch.Tensor, window_hidden: torch.Tensor, seq_lens: t
     indices (`committed_window_path`), the target's features window_hidden [bs, N, F] at them (the root's
     past the path) and their positions seq_lens[r] + j (int64), from the verify's accepted window indices
     accepted [bs, >= W - 1] (-1 past the path). The torch path of `kernels/commit_rows.py`."""
-    path = with_root(0, accepted[:, : width - 1])
+    path = committed_window_path(accepted, width)
     rows = path.clamp(min=0)[:, :, None].expand(-1, -1, window_hidden.shape[-1])
     positions = seq_lens[:, None].long() + torch.arange(width, device=seq_lens.device)
     return path, window_hidden.gather(1, rows).flatten(0, 1), positions.flatten()

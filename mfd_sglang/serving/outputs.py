@@ -48,7 +48,7 @@ def round_outputs(batch, logits_output, node_logits: torch.Tensor, result: TreeV
     their logprobs and sampling masks, when a request asked for either."""
     if not batch.return_logprob and batch.sampling_info.sampling_mask_batch_indices is None:
         return
-    path = committed_window_path(result, width).clamp(min=0)
+    path = committed_window_path(result.accepted_local_indices, width).clamp(min=0)
     rows = node_logits.gather(1, path[:, :, None].expand(-1, -1, node_logits.shape[-1]))
     if batch.return_logprob:
         attach_logprobs(batch, logits_output, rows.flatten(0, 1), result.accepted_tokens.clamp(min=0), width=width)
