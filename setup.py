@@ -5,7 +5,8 @@ setup(
     version="0.1.0",
     description="Multi-Future Drafting speculative decoding as an SGLang plugin",
     python_requires=">=3.10",
-    packages=["mfd_sglang", "mfd_sglang.cpu", "mfd_sglang.lab", "mfd_sglang.serving", "mfd_sglang.kernels", "mfd_sglang.patches"],
+    packages=["mfd_sglang", "mfd_sglang.check", "mfd_sglang.cpu", "mfd_sglang.lab", "mfd_sglang.lab.multimodal",
+              "mfd_sglang.serving", "mfd_sglang.kernels", "mfd_sglang.patches"],
     # The pure-torch `sgl_kernel` stand-in: put on sys.path by mfd_sglang.cpu, never installed as `sgl_kernel`.
     package_data={"mfd_sglang.cpu": ["sgl_kernel_standin/README.md", "sgl_kernel_standin/sgl_kernel/*.py"]},
     # kernels/ and patches/ live at the repository root but install INSIDE mfd_sglang: a top-level

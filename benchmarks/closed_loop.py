@@ -314,7 +314,12 @@ def main(argv=None) -> int:
         if flag and name not in urls and getattr(args, flag) is None:
             parser.error(f"configuration {name} needs --{flag.replace('_', '-')} (or --base-url {name}=URL)")
     prompts = chat_prompts(args.sets.split(","), args.limit, args.prompts_file)
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="closed-loop-"))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="closed-loop-")).resolve()
+    # Each server starts in the log folder: started in the repository root, `python -m` would import the source
+    # folder mfd_sglang/, which the plugin refuses. So local model paths are made absolute (hub ids stay).
+    for field in ("target", "single_drafter", "mfd_drafter"):
+        if getattr(args, field) is not None and Path(getattr(args, field)).exists():
+            setattr(args, field, str(Path(getattr(args, field)).resolve()))
     max_batch = max(args.batch_sizes)
 
     if args.repeats < 1:
@@ -332,7 +337,8 @@ def main(argv=None) -> int:
         cmd = server_command(name, args, port, args.device, max_batch)
         bar.set_postfix_str(f"starting {name}")
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        srv = stack.enter_context(ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900))
+        srv = stack.enter_context(ServerProcess(cmd, log_dir / f"{name}.log", port=port, env=env, startup_timeout=900,
+                                                cwd=log_dir))
         stream_one(srv.base_url, prompts[0], 8, args.timeout)  # warm-up
         return srv.base_url
 

@@ -50,9 +50,10 @@ def measure(bs: int, device: str, full: bool) -> dict:
 
     cfg = parse_drafter_config(QWEN3_4B_DRAFTER)
     dtype = torch.bfloat16
+    backend = "triton" if device.startswith("cuda") else "torch"  # as a server's --mfd-kernels auto
     # joined as the serving stage holds it (DraftStage): its products read the weights in place
     drafter = MFDDrafter(cfg, context_features=len(cfg.target_layer_ids) * cfg.hidden_size).to(device, dtype)
-    drafter.join_projections()
+    drafter.join_projections(backend)
     vocab, hidden = cfg.vocab_size, cfg.hidden_size
     embed = torch.empty(vocab, hidden, device=device, dtype=dtype).normal_(std=0.02)
     head = torch.empty(vocab, hidden, device=device, dtype=dtype).normal_(std=0.02)
@@ -61,7 +62,6 @@ def measure(bs: int, device: str, full: bool) -> dict:
     requests = torch.arange(bs, device=device)
     lens = torch.full((bs,), CONTEXT - 20, device=device)
     roots = torch.zeros(bs, dtype=torch.long, device=device)
-    backend = "triton" if device.startswith("cuda") else "torch"
 
     def round_():
         with torch.inference_mode():
@@ -69,9 +69,9 @@ def measure(bs: int, device: str, full: bool) -> dict:
             if full:
                 drafted = drafter.block_logprobs(roots, lens, context, embed, head)
             else:
-                drafted = drafter.block_candidates(roots, lens, context, embed, head, BUDGET)
-            tree = build_mixture_tree(drafted, BUDGET, backend="triton" if backend == "triton" else "torch")
-            tree_to_verify_layout(tree, roots, lens)
+                drafted = drafter.block_candidates(roots, lens, context, embed, head, BUDGET, backend=backend)
+            tree = build_mixture_tree(drafted, BUDGET, backend=backend)
+            tree_to_verify_layout(tree, roots, lens, backend)
 
     round_()
     if device.startswith("cuda"):

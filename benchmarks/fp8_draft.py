@@ -50,8 +50,9 @@ def linear_rows(device: str, shapes: list[tuple[int, int]], row_counts: tuple[in
         x = torch.randn(rows, in_features, generator=gen, device=device)
         for dtype in (torch.bfloat16, torch.float32):
             layer, inputs = FP8Linear(weight.to(dtype), None), x.to(dtype)
+            layer.backend = "triton" if x.is_cuda else "torch"  # as a served drafter's on CUDA
             q_x, x_scale = quantize_rows(inputs)
-            fused_q, fused_scale = quantize_activations(inputs)
+            fused_q, fused_scale = quantize_activations(inputs, layer.backend)
             same_quantization = torch.equal(fused_q.view(torch.uint8), q_x.view(torch.uint8)) and torch.equal(
                 fused_scale, x_scale)
             want = ((q_x.double() * x_scale.double())
@@ -93,7 +94,7 @@ def fp8_rows(device: str, quick: bool, batch_sizes: tuple[int, ...] | None = Non
                    "dtype": str(dtype).removeprefix("torch.")}
             for variant, drafter in drafters.items():
                 spec = SpecRound(target, drafter, budget=BUDGET, single_mode=single_mode,
-                                 tree_backend="triton" if use_graph else "torch")
+                                 backend="triton" if use_graph else "torch")
                 roots, cache_lens = spec.prefill(prompts)
                 if ar_ms is None:
                     ar_step, _ = capture_decode_step(target, roots, cache_lens, use_graph=use_graph)

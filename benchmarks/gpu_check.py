@@ -9,6 +9,10 @@
 gpu_check.sh sets one deadline for the whole call (MFD_GPU_CHECK_DEADLINE), IEEE fp32 for Triton
 (TRITON_F32_DEFAULT=ieee), installs the kit and runs this script with the installed plugin only.
 
+The sections run through `mfd_sglang.check` (its machinery, environment probe, kernel comparisons and server
+groups: the same code as the user's self-check, `python -m mfd_sglang check`); this script holds the GPU
+check's parts, their shapes and pairs, and the sections only it runs.
+
 Part 1, most truth first (a section starts only while time is left; what the deadline cuts is reported):
   env            versions, nvidia-smi, nvcc / gcc, the kit install, and SGLang's engine importing against the
                  kit with MFD registered (a subprocess, as a server process does it)
@@ -17,7 +21,7 @@ Part 1, most truth first (a section starts only while time is left; what the dea
   tree_mask      every attention backend MFD allows applies the tree mask, eager and from a CUDA graph
   graph_tests    the CUDA-graph tests that need no server (tests/test_cuda_graph.py, tests/test_serving.py)
   servers_tiny   the make-tiny pair (carried), fp32, CUDA graphs + overlap: plain, MFD, MFD_D; exact tokens
-                 and mean accept lengths of at least server_exactness.TINY_ACCEPT_BOUNDS
+                 and mean accept lengths of at least mfd_sglang.check.servers.TINY_ACCEPT_BOUNDS
   servers_4b     the same three on a random Qwen3-4B-width pair (shapes, memory, graph capture); exact
   attention      fused mode attention vs the torch reference (fp32 and bf16)
   sync           the eager accept stage and the draft scoring without a host sync
@@ -54,27 +58,27 @@ import importlib
 import itertools
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (PYTHONSAFEPATH leaves it out)
 
 import torch  # noqa: E402
 
+from mfd_sglang.check.environment import check_environment  # noqa: E402
+from mfd_sglang.check.kernels import mode_attention_rows, random_logprobs, tree_rows, vocab_rows  # noqa: E402
+from mfd_sglang.check.run import (Check, Section, StructuralSkip, Writer, failures, measured_row,  # noqa: E402,F401
+                                  print_summary as print_report, run_sections, short)
+from mfd_sglang.check.servers import ServerLogs, print_server_rows  # noqa: E402
 from mfd_sglang.cuda_graph import host_syncs_raise  # noqa: E402
 from mfd_sglang.mode_attention import mode_attention, random_inputs  # noqa: E402
 from mfd_sglang.timing import mean_ms  # noqa: E402
-from mfd_sglang.tree import DraftTree, build_mixture_tree  # noqa: E402
-from mfd_sglang.tree_layout import tree_to_verify_layout  # noqa: E402
-from mfd_sglang.verify import accept_path  # noqa: E402
+from mfd_sglang.tree import build_mixture_tree  # noqa: E402
 from round_cost import STAGES as ROUND_STAGES, print_round_cost, round_cost_rows  # noqa: E402
 from tree_build import time_build  # noqa: E402
 
@@ -83,160 +87,17 @@ CARRY_LIMIT = 64 * 2**20  # what one device call carries: the working tree and t
 CARRY_MARGIN = 8 * 2**20
 
 
-class StructuralSkip(Exception):
-    """A section this machine cannot run by construction (needs CUDA on a CPU run, FlashInfer where it is
-    not installed); its message says why."""
-
-
-@dataclass
-class Check:
-    device: str
-    deadline: float  # time.time()
-    out: Path
-    pair: Path | None
-    workdir: Path  # scratch: server logs, written models
-    report: dict = field(default_factory=dict)
-    logs: object = None  # server_exactness.ServerLogs
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    def left(self) -> float:
-        return self.deadline - time.time()
-
-    def launch(self):
-        from server_exactness import Launch
-
-        return Launch(self.device, self.deadline, self.workdir, self.logs)
-
-
-# --- environment --------------------------------------------------------------------------------------
-
-REGISTRATION_PROBE = """
-import json, sys
-out = {}
-import sglang, sglang.srt.entrypoints.engine
-out["sglang"] = sglang.__version__
-from sglang.srt.plugins import load_plugins
-load_plugins()
-import mfd_sglang
-out["mfd_sglang"] = mfd_sglang.__file__
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-out["MFD"] = str(SpeculativeAlgorithm.from_string("MFD"))
-out["MFD_D"] = str(SpeculativeAlgorithm.from_string("MFD_D"))
-print(json.dumps(out))
-"""
-
-
-def command_output(cmd: list[str], timeout: float = 30) -> str:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        return (proc.stdout + proc.stderr).strip()[:2000] or f"(exit {proc.returncode}, no output)"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"not available: {type(exc).__name__}: {exc}"
-
-
-def check_environment(check: Check) -> Iterator[dict]:
-    """Versions and tools (a row without a verdict), then the registration probe: SGLang's engine imports
-    against the kit and resolves MFD / MFD_D, in a subprocess started away from the repository."""
-    info = {"python": platform.python_version(), "torch": torch.__version__, "device": check.device,
-            "machine": platform.node(), "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
-            "kit_install_status": os.environ.get("MFD_GPU_CHECK_KIT_STATUS")}
-    for name in ("triton", "transformers", "flashinfer"):
-        try:
-            info[name] = importlib.import_module(name).__version__
-        except Exception as exc:  # report, do not stop: the check runs on partial installs too
-            info[name] = f"not importable: {type(exc).__name__}: {exc}"
-    if check.cuda:
-        info.update(gpu=torch.cuda.get_device_name(check.device), cuda=torch.version.cuda)
-    info["nvidia_smi"] = command_output(["nvidia-smi"])
-    info["nvcc"] = command_output(["nvcc", "--version"]).splitlines()[-1:]
-    info["gcc"] = command_output(["gcc", "--version"]).splitlines()[:1]
-    yield {"env": info}
-    row = {"probe": "SGLang engine import + MFD / MFD_D registered (load_plugins)", "ok": False}
-    try:
-        proc = subprocess.run([sys.executable, "-c", REGISTRATION_PROBE], capture_output=True, text=True,
-                              cwd=check.workdir, timeout=max(10.0, min(300.0, check.left())))
-        if proc.returncode == 0:
-            found = json.loads(proc.stdout.strip().splitlines()[-1])
-            row.update(found, ok=not found["mfd_sglang"].startswith(str(REPO / "mfd_sglang")))
-        else:
-            row["error"] = proc.stderr[-4000:]
-    except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {exc}"
-    yield row
-
-
-# --- rows ---------------------------------------------------------------------------------------------
-
-def measured_row(labels: dict, measure: Callable[[dict], None], *, verdict: bool = True) -> dict:
-    """One row: its labels, then what measure(row) records in it (inputs built, run, compared). An exception
-    is recorded as the row's error, with ok False on a row that carries a verdict; what measure recorded
-    before it stays."""
-    row = dict(labels)
-    try:
-        measure(row)
-    except Exception as exc:
-        if verdict:
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        else:
-            row["error"] = f"{type(exc).__name__}: {exc}"
-    return row
-
-
-# --- kernels ------------------------------------------------------------------------------------------
-
-def random_logprobs(shape: tuple[int, ...], device: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(shape, device=device, generator=gen) * 3.0
-    return torch.log_softmax(logits, dim=-1).to(dtype)
-
-
-def same_tree(a: DraftTree, b: DraftTree) -> bool:
-    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "depths", "modes", "valid")) \
-        and torch.equal(a.scores.float(), b.scores.float())
-
-
-def same_walks(tree: DraftTree, device: str) -> tuple[bool, int]:
-    """The Triton walks (`kernels.tree_walk`: verify layout, accepted path) equal the torch ones, without a
-    host sync, for a target that follows each node's first child (deep paths); also the longest accept."""
-    bs = tree.tokens.shape[0]
-    roots, seq_lens = torch.arange(bs, device=device), torch.arange(bs, device=device) + 100
-    layout = tree_to_verify_layout(tree, roots, seq_lens, backend="torch")
-    target = layout.draft_token.gather(1, layout.retrive_next_token.clamp(min=0))
-    result = accept_path(tree, target, backend="torch")
-    with host_syncs_raise(device):
-        fast = (tree_to_verify_layout(tree, roots, seq_lens, backend="triton"),
-                accept_path(tree, target, backend="triton"))
-    same = all(torch.equal(getattr(want, f.name), getattr(have, f.name))
-               for want, have in zip((layout, result), fast) for f in dataclasses.fields(want))
-    return same, int(result.accept_lens.max())
-
-
-def tree_rows(check: Check, shapes) -> Iterator[dict]:
-    for (bs, k, d, v, budget), dtype in itertools.product(shapes, (torch.float32, torch.bfloat16)):
-        def compare(row):
-            logprobs = random_logprobs((bs, k, d, v), check.device, dtype, seed=bs * 1000 + v)
-            reference = build_mixture_tree(logprobs, budget, backend="torch")
-            with host_syncs_raise(check.device):
-                fast = build_mixture_tree(logprobs, budget, backend="triton")
-            walks_ok, row["walk_accept_len"] = same_walks(reference, check.device)
-            row["ok"] = same_tree(reference, fast) and walks_ok
-
-        yield measured_row({"bs": bs, "K": k, "D": d, "V": v, "B": budget, "dtype": str(dtype).removeprefix("torch.")},
-                           compare)
-
+# --- kernels (mfd_sglang.check.kernels: the comparisons; here the GPU check's shapes) -----------------------
 
 def check_tree_kernel(check: Check) -> Iterator[dict]:
     shapes = [(1, 8, 15, 32768, 64), (4, 8, 15, 151936, 64), (3, 4, 7, 5, 200)] if check.cuda else [(2, 2, 3, 50, 8)]
-    yield from tree_rows(check, shapes)
+    yield from tree_rows(check.device, shapes)
 
 
 def check_tree_kernel_all_shapes(check: Check) -> Iterator[dict]:
     shapes = [(1, 8, 15, 32768, 64), (4, 8, 15, 65536, 64), (16, 8, 15, 151936, 64), (2, 1, 15, 151936, 128),
               (3, 4, 7, 5, 200), (1, 8, 15, 65536, 16)]
-    yield from tree_rows(check, shapes if check.cuda else [(2, 2, 3, 50, 8), (3, 1, 4, 7, 20)])
+    yield from tree_rows(check.device, shapes if check.cuda else [(2, 2, 3, 50, 8), (3, 1, 4, 7, 20)])
 
 
 def check_accept_without_sync(check: Check) -> Iterator[dict]:
@@ -283,30 +144,11 @@ def check_vocab_kernel(check: Check) -> Iterator[dict]:
     against the torch `vocab_candidates` at serving shapes, without a host sync: on small-integer
     inputs (every logit exact whatever the GEMM's order) ids and logits bit for bit, ties included;
     on random bf16 inputs (rounding may move near-ties) >= 97% of the candidates shared."""
-    from mfd_sglang.drafter import vocab_candidates
-
     shapes = [(1, 8, 15, 2560, 151936, 64), (16, 8, 15, 2560, 151936, 64), (4, 4, 7, 1024, 32000, 16)]
     grids = ("integers", "random")
     if not check.cuda:  # the interpreter's bf16 rounding differs from torch's: exact inputs only
         shapes, grids = [(2, 2, 3, 40, 50, 8)], ("integers",)
-    for (bs, k, d, h, v, budget), grid in itertools.product(shapes, grids):
-        def compare(row):
-            gen = torch.Generator(device=check.device).manual_seed(bs * 7 + h)
-            if grid == "integers":
-                hidden = torch.randint(-3, 4, (bs, k, d, h), device=check.device, generator=gen).to(torch.bfloat16)
-                head = torch.randint(-3, 4, (v, h), device=check.device, generator=gen).to(torch.bfloat16)
-            else:
-                hidden = torch.randn(bs, k, d, h, device=check.device, generator=gen).to(torch.bfloat16)
-                head = (0.05 * torch.randn(v, h, device=check.device, generator=gen)).to(torch.bfloat16)
-            with host_syncs_raise(check.device):
-                fast = vocab_candidates(hidden, head, budget, backend="triton")
-            reference = vocab_candidates(hidden, head, budget)
-            shared = float((fast.tokens[..., :, None] == reference.tokens[..., None, :]).any(-1).float().mean())
-            row["shared"] = round(shared, 4)
-            row["max_logprob_diff"] = float((fast.logprobs - reference.logprobs).abs().max())
-            row["ok"] = torch.equal(fast.tokens, reference.tokens) if grid == "integers" else shared >= 0.97
-
-        yield measured_row({"bs": bs, "K": k, "D": d, "H": h, "V": v, "B": budget, "inputs": grid}, compare)
+    yield from vocab_rows(check.device, shapes, grids)
 
 
 def check_mode_attention(check: Check) -> Iterator[dict]:
@@ -315,18 +157,7 @@ def check_mode_attention(check: Check) -> Iterator[dict]:
     if not check.cuda:
         shapes = [(2, 2, 4, 2, 1, 16, [3, 20])]
     # The Triton interpreter's bf16 dot is broken: on a CPU, fp16 stands in for the half-precision check.
-    dtypes = (torch.float32, torch.bfloat16 if check.cuda else torch.float16)
-    for (bs, k, t, hq, hkv, d, lens), dtype in itertools.product(shapes, dtypes):
-        def compare(row):
-            case = random_inputs(bs, bs, k, t, hq, hkv, d, lens, dtype, check.device)
-            reference = mode_attention(**{n: (x.float() if x.is_floating_point() else x) for n, x in case.items()},
-                                       num_modes=k)
-            fast = mode_attention(**case, num_modes=k, backend="triton")
-            row["max_abs_error"] = float((fast.float() - reference).abs().max())
-            row["ok"] = row["max_abs_error"] <= (1e-4 if dtype == torch.float32 else 3e-2)
-
-        yield measured_row({"bs": bs, "K": k, "T": t, "Hq": hq, "Hkv": hkv, "d": d,
-                            "dtype": str(dtype).removeprefix("torch.")}, compare)
+    yield from mode_attention_rows(check.device, shapes, (torch.float32, torch.bfloat16 if check.cuda else torch.float16))
 
 
 def check_tree_masks(check: Check) -> Iterator[dict]:
@@ -467,10 +298,50 @@ def run_graph_tests(check: Check) -> Iterator[dict]:
     yield row
 
 
-# --- servers ------------------------------------------------------------------------------------------
+# --- servers (mfd_sglang.check.servers: the groups and their rows; here the GPU check's pairs) ------------
+
+def random_pair(outdir: Path, device: str):
+    """A random Qwen3 target of Qwen3-4B's width (8 layers; a tiny one on a CPU) with a random K = 8
+    drafter: shapes, memory and graph capture at a real size; accepts about nothing."""
+    from mfd_sglang.check.servers import Pair
+    from round_cost import TargetConfig
+
+    cfg = TargetConfig.tiny() if device == "cpu" else dataclasses.replace(TargetConfig.qwen3_4b(), layers=8,
+                                                                          draft_layers=2)
+    target, drafter = write_random_pair(outdir, cfg, num_modes=8, device=device)
+    gen = torch.Generator().manual_seed(2)
+    lengths = (5, 17, 40, 9) if device == "cpu" else (7, 40, 100, 180, 260, 350, 430, 500)
+    prompts = tuple(tuple(torch.randint(0, cfg.vocab - 1, (n,), generator=gen).tolist()) for n in lengths)
+    name = "random, Qwen3-4B width, 8 layers" if device != "cpu" else "random, tiny shapes"
+    return Pair(name, target, drafter, prompts, None)
+
+
+def write_random_pair(outdir: Path, cfg, num_modes: int, device: str) -> tuple[Path, Path]:
+    """OUTDIR/target (HF Qwen3, random weights) and OUTDIR/drafter (MFD, random weights) of round_cost's
+    TargetConfig cfg."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mfd_sglang.checkpoint import save_drafter
+    from round_cost import drafter_raw_config, random_drafter, spread_layer_ids
+
+    config = Qwen3Config(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        target = Qwen3ForCausalLM(config)
+    target.save_pretrained(outdir / "target", safe_serialization=True)
+    layer_ids = spread_layer_ids(cfg.layers, cfg.draft_layers)
+    drafter = random_drafter(cfg, layer_ids, num_modes, seed=1, device=device, dtype=torch.float32)
+    save_drafter(outdir / "drafter", drafter_raw_config(cfg, layer_ids, num_modes), drafter.checkpoint_weights())
+    return outdir / "target", outdir / "drafter"
+
 
 def tiny(check: Check):
-    from server_exactness import tiny_pair
+    from mfd_sglang.check.servers import tiny_pair
 
     if check.pair is None or not (check.pair / "drafter" / "config.json").is_file():
         raise FileNotFoundError(f"the tiny pair is not at {check.pair}: build it with `bash scripts/gpu_check.sh "
@@ -479,20 +350,20 @@ def tiny(check: Check):
 
 
 def graphs_config(check: Check, dtype: str, **kw):
-    from server_exactness import ServerConfig, attention_choice, cpu_config
+    from mfd_sglang.check.servers import ServerConfig, attention_choice, cpu_config
 
     return cpu_config() if not check.cuda else ServerConfig(dtype, True, *attention_choice(dtype), **kw)
 
 
 def servers_tiny(check: Check) -> Iterator[dict]:
-    from server_exactness import server_group, speculative_servers
+    from mfd_sglang.check.servers import server_group, speculative_servers
 
     yield from server_group(check.launch(), tiny(check), graphs_config(check, "float32"), speculative_servers(16),
                             "tiny", max_new_tokens=32)
 
 
 def servers_4b(check: Check) -> Iterator[dict]:
-    from server_exactness import random_pair, server_group, speculative_servers
+    from mfd_sglang.check.servers import server_group, speculative_servers
 
     pair = random_pair(Path(tempfile.mkdtemp(dir=check.workdir, prefix="random-pair-")), check.device)
     yield from server_group(check.launch(), pair, graphs_config(check, "float32"), speculative_servers(64),
@@ -502,7 +373,7 @@ def servers_4b(check: Check) -> Iterator[dict]:
 def servers_bf16(check: Check) -> Iterator[dict]:
     """bf16: plain on Triton, the speculative servers with no --attention-backend (MFD resolves it:
     FlashInfer where installed, else Triton with one log line, which the row records)."""
-    from server_exactness import ServerConfig, server_group, speculative_servers
+    from mfd_sglang.check.servers import ServerConfig, server_group, speculative_servers
 
     config = ServerConfig("bfloat16", check.cuda, "triton" if check.cuda else None,
                           "plain: triton; speculative servers: MFD's own choice", spec_attention_flag=False)
@@ -512,7 +383,7 @@ def servers_bf16(check: Check) -> Iterator[dict]:
 
 def servers_eager_and_paged(check: Check) -> Iterator[dict]:
     """Part 2: graphs and overlap off (fp32, bf16), and 16-token KV pages with graphs (fp32), tiny pair."""
-    from server_exactness import ServerConfig, attention_choice, server_group, speculative_servers
+    from mfd_sglang.check.servers import ServerConfig, attention_choice, server_group, speculative_servers
 
     if not check.cuda:
         raise StructuralSkip("needs CUDA: graphs off / pages: the CPU servers already run eager (servers_tiny)")
@@ -526,7 +397,7 @@ def servers_eager_and_paged(check: Check) -> Iterator[dict]:
 
 def servers_auto(check: Check) -> Iterator[dict]:
     """Part 2: MFD_D with the automatic budget (draft and verify graphs per budget, start-up calibration)."""
-    from server_exactness import auto_server, server_group
+    from mfd_sglang.check.servers import auto_server, server_group
 
     if not check.cuda:
         raise StructuralSkip("needs CUDA: the automatic budget's graphs need CUDA (tests/test_auto_budget.py holds it on CPU)")
@@ -538,7 +409,7 @@ def hybrid_servers(check: Check) -> Iterator[dict]:
     """Part 2: a hybrid Gated DeltaNet target (make-tiny --hybrid, fp32) in plain, MFD (B 8) and MFD_D
     automatic-budget servers, concurrent and then each prompt alone (radix-cache hits)."""
     from mfd_sglang.lab.tiny import make_tiny
-    from server_exactness import Pair, Server, auto_server, server_group
+    from mfd_sglang.check.servers import Pair, Server, auto_server, server_group
 
     if not check.cuda:
         raise StructuralSkip("needs CUDA: tests/test_hybrid_target.py holds hybrid servers on CPU")
@@ -559,7 +430,7 @@ def servers_dflash(check: Check) -> Iterator[dict]:
     """Part 2: SGLang's own DFLASH chain (the tiny pair's single-mode drafter) beside MFD and MFD_D, plain
     as the reference, fp32 with CUDA graphs: tokens exact, accept lengths, and each one's round cost in plain
     decode steps with the speed-up, from the same requests timed alone on each server, in one run."""
-    from server_exactness import DFLASH, server_group, speculative_servers
+    from mfd_sglang.check.servers import DFLASH, server_group, speculative_servers
 
     pair = tiny(check)
     if not (pair.drafter.parent / DFLASH.drafter / "config.json").is_file():
@@ -572,7 +443,7 @@ def servers_dflash(check: Check) -> Iterator[dict]:
 def servers_flashinfer(check: Check) -> Iterator[dict]:
     """Plain and MFD / MFD_D on FlashInfer with CUDA graphs, bf16: the tiny pair, then the random
     Qwen3-4B-width pair (the FlashInfer visit compiles its JIT modules first)."""
-    from server_exactness import ServerConfig, random_pair, server_group, speculative_servers
+    from mfd_sglang.check.servers import ServerConfig, server_group, speculative_servers
 
     if importlib.util.find_spec("flashinfer") is None:
         raise StructuralSkip("FlashInfer is not installed (scripts/gpu_visit_flashinfer.sh installs it)")
@@ -594,14 +465,6 @@ def fp8_draft(check: Check) -> Iterator[dict]:
 
 # --- the run --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Section:
-    name: str
-    run: Callable[[Check], Iterator[dict]]
-    verdicts: bool  # rows carry ok / skipped (correctness); False: measurements
-    min_seconds: float  # not started with less time left (its rows would not finish)
-
-
 PARTS: dict[str, list[Section]] = {
     "1": [Section("env", check_environment, True, 10), Section("tree", check_tree_kernel, True, 20),
           Section("tree_mask", check_tree_masks, True, 20), Section("graph_tests", run_graph_tests, True, 30),
@@ -621,105 +484,19 @@ PARTS: dict[str, list[Section]] = {
 }
 
 
-def section_failures(name: str, entry: dict, verdicts: bool) -> list[str]:
-    """What makes one section fail, a line each: not run, raised, no rows where a verdict is due, and every
-    row that failed or erred (a `skipped` row or section is structural and passes)."""
-    if "not_run" in entry:
-        return [f"{name}: NOT RUN ({entry['not_run']})"]
-    if "error" in entry:
-        return [f"{name}: ERROR {entry['error'].strip().splitlines()[-1]}"]
-    if "skipped" in entry:
-        return []
-    rows, out = entry.get("rows", []), []
-    if verdicts and not any("ok" in r or "skipped" in r for r in rows):
-        out.append(f"{name}: no rows with a verdict (nothing was checked)")
-    for i, row in enumerate(rows):
-        label = f"{name}[{i}]"
-        errors = {k: v for k, v in row.items() if (k == "error" or k.endswith("_error")) and isinstance(v, str)}
-        if errors:
-            out.append(f"{label}: ERROR " + "; ".join(f"{k}: {str(v).strip().splitlines()[0]}" for k, v in errors.items()))
-        elif "skipped" not in row and row.get("ok") is False:
-            shown = {k: v for k, v in row.items() if not isinstance(v, (list, dict))}
-            out.append(f"{label}: FAILED {shown}")
-    return out
-
-
-def failures(report: dict, sections: list[Section]) -> list[str]:
-    return [line for s in sections for line in section_failures(s.name, report["sections"].get(s.name, {}), s.verdicts)]
-
-
-class Writer:
-    """report.json rewritten (atomically) and rows.jsonl appended as each row finishes."""
-
-    def __init__(self, out: Path, report: dict, sections: list[Section]):
-        self.out, self.report, self.sections = out, report, sections
-
-    def save(self) -> None:
-        self.report["failures"] = failures(self.report, self.sections)
-        self.report["passed"] = not self.report["failures"]
-        tmp = self.out / "report.json.tmp"
-        tmp.write_text(json.dumps(self.report, indent=1, default=str) + "\n")
-        tmp.replace(self.out / "report.json")
-
-    def row(self, section: str, row: dict) -> None:
-        self.report["sections"][section].setdefault("rows", []).append(row)
-        with open(self.out / "rows.jsonl", "a") as f:
-            f.write(json.dumps({"section": section, **row}, default=str) + "\n")
-        self.save()
-
-
-def run_sections(check: Check, sections: list[Section], writer: Writer) -> None:
-    for section in sections:
-        entry = check.report["sections"].setdefault(section.name, {})
-        if check.left() < section.min_seconds:
-            entry["not_run"] = f"{check.left():.0f} s left before the call's deadline"
-            writer.save()
-            continue
-        print(f"[gpu_check] {section.name} ({check.left():.0f} s left) ...", flush=True)
-        start = time.perf_counter()
-        try:
-            for row in section.run(check):
-                writer.row(section.name, row)
-                print(f"[gpu_check]   {section.name}: {short(row)}", flush=True)
-        except StructuralSkip as skipped:
-            entry["skipped"] = str(skipped)
-        except Exception:
-            entry["error"] = traceback.format_exc()[-6000:]
-        entry["seconds"] = round(time.perf_counter() - start, 1)
-        writer.save()
-
-
-def short(row: dict) -> str:
-    shown = {k: v for k, v in row.items() if not isinstance(v, (list, dict)) and k not in ("output_tail",)}
-    return json.dumps(shown, default=str)[:400]
+def section_details(name: str, rows: list[dict]) -> None:
+    if name.startswith("servers") or name == "hybrid_servers":
+        print_server_rows(rows)
+    elif name == "round_cost":
+        print_round_cost(rows)
+        print_predictions(rows)
+    elif name.endswith("_time"):
+        for r in rows:
+            print("  " + short(r))
 
 
 def print_summary(report: dict) -> None:
-    from server_exactness import print_server_rows
-
-    print(f"\n=== GPU check part {report['part']}, {report['date']}, {report['device']} ===")
-    for name, entry in report["sections"].items():
-        rows = entry.get("rows", [])
-        if "not_run" in entry or "error" in entry or "skipped" in entry:
-            why = entry.get("not_run") or entry.get("skipped") or entry["error"].strip().splitlines()[-1]
-            print(f"{name}: {'NOT RUN' if 'not_run' in entry else 'SKIPPED' if 'skipped' in entry else 'ERROR'}: {why}")
-            continue
-        verdict = [r for r in rows if "ok" in r]
-        print(f"{name}: {sum(bool(r['ok']) for r in verdict)}/{len(verdict)} ok"
-              + (f", {sum('skipped' in r for r in rows)} skipped" if any("skipped" in r for r in rows) else "")
-              + f" ({entry.get('seconds')} s)")
-        if name.startswith("servers") or name == "hybrid_servers":
-            print_server_rows(rows)
-        elif name == "round_cost":
-            print_round_cost(rows)
-            print_predictions(rows)
-        elif name.endswith("_time"):
-            for r in rows:
-                print("  " + short(r))
-    failed = report.get("failures", [])
-    print(f"\nRESULT: {'FAIL' if failed else 'PASS'}" + (f" ({len(failed)} items)" if failed else ""))
-    for line in failed:
-        print("  " + line)
+    print_report(report, f"GPU check part {report['part']}, {report['date']}, {report['device']}", section_details)
 
 
 def carry_size(paths: list[str]) -> dict:
@@ -761,12 +538,10 @@ def main() -> None:
               "deadline_s": None, "sections": {}}
     deadline = args.deadline or time.time() + 530
     report["deadline_s"] = round(deadline - time.time())
-    from server_exactness import ServerLogs
-
     workdir = Path(tempfile.mkdtemp(prefix="mfd-gpu-check-"))
     # absolute: servers start in their own folder, not in the repository root
     check = Check(device, deadline, out, args.pair.resolve() if args.pair.exists() else None, workdir, report,
-                  ServerLogs(out / "server-logs.txt"))
+                  ServerLogs(out / "server-logs.txt"), source_root=REPO)
     writer = Writer(out, report, sections)
     try:
         run_sections(check, sections, writer)

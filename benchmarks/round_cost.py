@@ -201,16 +201,16 @@ def random_drafter(c: TargetConfig, target_layer_ids: list[int], num_modes: int,
     drafter.requires_grad_(False)
     if num_modes > 1:  # distinct modes, on the scale of the embeddings they are added to
         drafter.mode_embed.normal_(0.0, 0.02)
-    return drafter.to(dtype).eval().join_projections()  # as the serving stage holds it
+    return drafter.to(dtype).eval()
 
 
 class SpecRound:
     """One speculative round over static buffers, a function per stage (each is captured alone)."""
 
-    def __init__(self, target: StaticTarget, drafter: MFDDrafter, *, budget: int, single_mode: bool,
-                 tree_backend: str):
-        self.target, self.drafter, self.budget = target, drafter, budget
-        self.single_mode, self.tree_backend = single_mode, tree_backend
+    def __init__(self, target: StaticTarget, drafter: MFDDrafter, *, budget: int, single_mode: bool, backend: str):
+        # Joined, its steps on the round's backend, as the serving stage holds it (`DraftStage`).
+        self.target, self.drafter, self.budget = target, drafter.join_projections(backend), budget
+        self.single_mode, self.backend = single_mode, backend
         bs, max_len = target.k_cache.shape[1], target.slots.shape[0]
         # The drafter's context K/V as in the SGLang worker: a pool indexed by KV slot (here request
         # b's position p is slot b * max_len + p), read in place by the mode attention (the fused
@@ -218,8 +218,6 @@ class SpecRound:
         self.context = DraftContextPool(drafter, bs * max_len, device=target.device, dtype=target.dtype)
         self.req_to_token = torch.arange(bs * max_len, device=target.device, dtype=torch.int32).view(bs, max_len)
         self.requests = torch.arange(bs, device=target.device)
-        # The worker's kernels: the fused Triton mode attention and vocabulary top-B on CUDA, torch elsewhere.
-        self.kernel_backend = "triton" if str(target.device).startswith("cuda") else "torch"
         self.head_weight = drafter.head_weight(target.lm_head)
 
     def write_context(self, features, positions) -> None:
@@ -236,12 +234,12 @@ class SpecRound:
     def draft(self, roots, cache_lens) -> DraftCandidates:
         """The B best tokens per (mode, position) of the blocks `[root, MASK x D]` at positions
         cache_lens.., as the SGLang worker drafts (`DraftStage.candidates`)."""
-        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.kernel_backend)
+        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.backend)
         return self.drafter.block_candidates(roots, cache_lens, context, self.target.embed, self.head_weight,
-                                             self.budget, single_mode=self.single_mode, backend=self.kernel_backend)
+                                             self.budget, single_mode=self.single_mode, backend=self.backend)
 
     def tree(self, candidates: DraftCandidates) -> DraftTree:
-        tree = build_mixture_tree(candidates, self.budget, backend=self.tree_backend)
+        tree = build_mixture_tree(candidates, self.budget, backend=self.backend)
         tree.tokens = self.drafter.to_target_ids(tree.tokens)
         return tree
 
@@ -251,7 +249,7 @@ class SpecRound:
         depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
         logits, features = self.target.verify(tokens, cache_lens[:, None] + depths, tree_ancestor_mask(tree),
                                               cache_lens)
-        return verify_tree_greedy(tree, logits), features
+        return verify_tree_greedy(tree, logits, self.backend), features
 
     def commit(self, result: TreeVerifyResult, features, cache_lens):
         """Root + accepted nodes into the target cache and the drafter context (the SGLang worker's
@@ -373,7 +371,7 @@ def round_cost_rows(device: str, quick: bool, batch_sizes: tuple[int, ...] = (1,
         prompts = torch.randint(0, cfg.vocab, (bs, prompt_len), generator=gen, device=device)
         for name, (modes, single_mode) in CONFIGS.items():
             spec = SpecRound(target, drafters[modes], budget=BUDGET, single_mode=single_mode,
-                             tree_backend="triton" if use_graph else "torch")
+                             backend="triton" if use_graph else "torch")
             roots, cache_lens = spec.prefill(prompts)
             ar_step, _ = capture_decode_step(target, roots, cache_lens, use_graph=use_graph)
             graphs = capture_round(spec, roots, cache_lens, use_graph=use_graph)

@@ -79,7 +79,7 @@ def verify_round(tree, layout, logits, batch, seq_lens) -> None:
     from mfd_sglang.serving.accept import accept_tree
     from mfd_sglang.serving.outputs import round_outputs
 
-    result, node_logits = accept_tree(tree, layout, logits, batch, seq_lens)
+    result, node_logits = accept_tree(tree, layout, logits, batch, seq_lens, backend="torch")  # CPU tensors
     output = SimpleNamespace(**dict.fromkeys(("next_token_top_logprobs_val", "next_token_top_logprobs_idx",
                                               "next_token_token_ids_logprobs_val", "next_token_token_ids_logprobs_idx")))
     round_outputs(batch, output, node_logits, result, layout.draft_token.shape[1])

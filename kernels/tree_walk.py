@@ -4,9 +4,11 @@ node (`mfd_sglang.verify.accept_path`), one launch each, bit-identical to those 
 
 The references build the ancestor mask by log2(N) boolean matrix squarings and the links from
 [bs, N, N] comparisons: ~60 small launches each on CUDA. Here one program per request holds its budget
-tree nodes in registers (the root, everyone's ancestor, apart): the links are one [B, B] comparison and
+tree nodes in registers (the root, everyone's ancestor, apart): the links are a [B, B] comparison and
 a min, the ancestors a walk up the parent links (parents precede children, so every walk ends at the
 root after the tree's depth steps, at most the drafter's block size - 1; padding hangs off the root).
+The [B, B] comparisons run in tiles of TILE rows (64 x 64 cells: one tile up to B = 64), so that no budget
+spills registers.
 
 Why not SGLang's (`sglang.kernels.ops.speculative`): `build_tree_kernel_efficient` builds the layout of
 EAGLE's top-k-per-step trees from their parent lists and selection indices, which a mixture tree is not;
@@ -26,12 +28,14 @@ from mfd_sglang.tree import DraftTree
 from mfd_sglang.tree_layout import VerifyLayout
 from mfd_sglang.verify import TreeVerifyResult
 
+_TILE_CELLS = 64 * 64  # cells of a [rows, nodes] comparison tile: 32 a thread at 4 warps
+
 
 @triton.jit
 def _verify_layout_kernel(
     tokens_ptr, parents_ptr, depths_ptr, valid_ptr, roots_ptr, seq_lens_ptr,
     draft_token_ptr, positions_ptr, retrive_index_ptr, next_token_ptr, next_sibling_ptr, ancestor_ptr,
-    B, BP: tl.constexpr,
+    B, BP: tl.constexpr, TILE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     N = B + 1
@@ -52,27 +56,33 @@ def _verify_layout_kernel(
     tl.store(retrive_index_ptr + out, out, mask=is_node)
 
     # Only linked (valid) nodes are anybody's child or sibling; children are linked in node order.
-    rows, cols = node[:, None], node[None, :]
-    first_child = tl.min(tl.where((parent[None, :] == rows) & linked[None, :], cols + 1, N), axis=1)
-    tl.store(next_token_ptr + out, tl.where(first_child < N, first_child, -1), mask=is_node)
     root_child = tl.min(tl.where((parent == -1) & linked, node + 1, N), axis=0)
     tl.store(next_token_ptr + root, tl.where(root_child < N, root_child, -1))
-    later_sibling = (parent[None, :] == parent[:, None]) & linked[None, :] & (cols > rows)
-    next_sibling = tl.min(tl.where(later_sibling, cols + 1, N), axis=1)
-    tl.store(next_sibling_ptr + out, tl.where(linked & (next_sibling < N), next_sibling, -1), mask=is_node)
     tl.store(next_sibling_ptr + root, -1)
-
-    # Row of local i: the root's column (everyone's ancestor), then the node's own path up the parent links.
-    ancestor = cols == rows
-    above = parent
-    while tl.max(above, axis=0) >= 0:
-        ancestor |= cols == above[:, None]
-        above = tl.load(parents_ptr + tree + above, mask=above >= 0, other=-1).to(tl.int32)
     mask = ancestor_ptr + root * N
     tl.store(mask, True)
     tl.store(mask + node + 1, False, mask=is_node)
     tl.store(mask + (node + 1) * N, True, mask=is_node)
-    tl.store(mask + (rows + 1) * N + cols + 1, ancestor, mask=(rows < B) & (cols < B))
+    cols = node[None, :]
+    for first in range(0, BP, TILE):  # TILE nodes (rows) against every node (columns) at a time
+        row = first + tl.arange(0, TILE)
+        is_row = row < B
+        rows = row[:, None]
+        row_parent = tl.load(parents_ptr + tree + row, mask=is_row, other=-1).to(tl.int32)
+        row_linked = tl.load(valid_ptr + tree + row, mask=is_row, other=0) != 0
+        row_out = root + 1 + row
+        first_child = tl.min(tl.where((parent[None, :] == rows) & linked[None, :], cols + 1, N), axis=1)
+        tl.store(next_token_ptr + row_out, tl.where(first_child < N, first_child, -1), mask=is_row)
+        later_sibling = (parent[None, :] == row_parent[:, None]) & linked[None, :] & (cols > rows)
+        next_sibling = tl.min(tl.where(later_sibling, cols + 1, N), axis=1)
+        tl.store(next_sibling_ptr + row_out, tl.where(row_linked & (next_sibling < N), next_sibling, -1), mask=is_row)
+        # Row of local i: the root's column (everyone's ancestor), then the node's own path up the parent links.
+        ancestor = cols == rows
+        above = row_parent
+        while tl.max(above, axis=0) >= 0:
+            ancestor |= cols == above[:, None]
+            above = tl.load(parents_ptr + tree + above, mask=above >= 0, other=-1).to(tl.int32)
+        tl.store(mask + (rows + 1) * N + cols + 1, ancestor, mask=(rows < B) & (cols < B))
 
 
 @triton.jit
@@ -87,7 +97,7 @@ def _matched(tokens_ptr, valid_ptr, target_ptr, node, parent, mask):
 def _accept_path_kernel(
     tokens_ptr, parents_ptr, depths_ptr, valid_ptr, target_ptr,
     accept_lens_ptr, accepted_tokens_ptr, path_ptr, bonus_ptr,
-    B, BP: tl.constexpr,
+    B, BP: tl.constexpr, TILE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     N = B + 1
@@ -114,15 +124,17 @@ def _accept_path_kernel(
     tl.store(accept_lens_ptr + b, deepest + 1)
     tl.store(bonus_ptr + b, bonus)
     # Column c: the accepted node at depth c + 1 (the largest local index, as the reference's amax), else -1;
-    # the deepest's column holds the bonus. Column B (depth B + 1) never holds a node.
-    column = node[:, None]
-    hit = accepted[None, :] & (depth[None, :] == column + 1)
-    path = tl.max(tl.where(hit, node[None, :] + 1, -1), axis=1)
-    path_token = tl.load(tokens_ptr + path - 1, mask=path >= 1, other=0)
-    accepted_token = tl.where(node == deepest, bonus, tl.where(path >= 0, path_token, -1))
+    # the deepest's column holds the bonus (TILE columns against every node at a time). Column B (depth B + 1)
+    # never holds a node.
     row = b * N
-    tl.store(path_ptr + row + node, path.to(tl.int64), mask=is_node)
-    tl.store(accepted_tokens_ptr + row + node, accepted_token, mask=is_node)
+    for first in range(0, BP, TILE):
+        column = first + tl.arange(0, TILE)
+        hit = accepted[None, :] & (depth[None, :] == column[:, None] + 1)
+        path = tl.max(tl.where(hit, node[None, :] + 1, -1), axis=1)
+        path_token = tl.load(tokens_ptr + path - 1, mask=path >= 1, other=0)
+        accepted_token = tl.where(column == deepest, bonus, tl.where(path >= 0, path_token, -1))
+        tl.store(path_ptr + row + column, path.to(tl.int64), mask=column < B)
+        tl.store(accepted_tokens_ptr + row + column, accepted_token, mask=column < B)
     tl.store(path_ptr + row + B, -1)
     tl.store(accepted_tokens_ptr + row + B, tl.where(deepest == B, bonus, -1))
 
@@ -132,8 +144,10 @@ def _launch_config(tree: DraftTree) -> tuple[int, int, dict]:
         raise ValueError("the tree walk kernels need a batched tree ([bs, budget] fields)")
     require_cuda(tree.tokens, "the Triton tree walk")
     bs, budget = tree.tokens.shape
-    # One [B, B] comparison per program over the tree nodes (the root on its own: B = 64 fills 64 lanes).
-    return bs, budget, dict(BP=pow2(budget), num_warps=4)
+    # The [B, B] comparisons of a program over its tree nodes (the root on its own: B = 64 fills 64 lanes) in
+    # tiles of _TILE_CELLS: one tile up to B = 64; a whole [256, 256] one spills on sm_90a and sm_80.
+    nodes = pow2(budget)
+    return bs, budget, dict(BP=nodes, TILE=min(nodes, max(1, _TILE_CELLS // nodes)), num_warps=4)
 
 
 def verify_layout_triton(tree: DraftTree, root_tokens: torch.Tensor, seq_lens: torch.Tensor) -> VerifyLayout:

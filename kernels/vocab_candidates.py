@@ -31,13 +31,14 @@ the rounding to the input dtype (which both do). The normaliser is the reference
 rounding (the order of the sum of exp, the exp's own approximation on GPU): ~1e-7 relative. NaN
 logits are unsupported.
 
-Launch: ROWS = 16 .. 64 rows per program, at most 32 for float32 inputs (tl.dot needs >= 16; more cut
-the weight's re-reads, one per row block, and the issue per product, but the [ROWS, TILE_V] key tile
-and its bitonic network live in registers: 64 rows of int32 keys fit sm_90a's / sm_80's without
-spills); BB = count rounded up to a power of two (>= 2); TILE_V = max(BB, min(128, V)) (a power of
-two); splits = min(tiles, cdiv(512, row blocks), `VOCAB_SPLITS` = 128, as the finish merges splits *
-BB keys a row): a few hundred programs (16-bit inputs: at least cdiv(V, 2^16) splits). Scratch: rows *
-splits * (8 * BB + 8) bytes (keys, max, sum), which the memory plan counts.
+Launch: ROWS = 16 .. 64 rows per program, ROWS x TILE_V at most 64 x 128 keys, half that for float32
+inputs' int64 keys (tl.dot needs >= 16 rows; more cut the weight's re-reads, one per row block, and the
+issue per product, but the [ROWS, TILE_V] key tile and its bitonic network live in registers: 64 x 128
+int32 keys fit sm_90a's / sm_80's without spills, 64 x 256 spill); BB = count rounded up to a power of
+two (>= 2); TILE_V = max(BB, min(128, V)) (a power of two); splits = min(tiles, cdiv(512, row blocks),
+`VOCAB_SPLITS` = 128, as the finish merges splits * BB keys a row): a few hundred programs (16-bit
+inputs: at least cdiv(V, 2^16) splits). Scratch: rows * splits * (8 * BB + 8) bytes (keys, max, sum),
+which the memory plan counts.
 """
 
 import torch
@@ -211,8 +212,10 @@ def vocab_top_logits_triton(
     tile = max(bb, tile_v or min(VOCAB_TILE, pow2(vocab)))
     chunk = block_h or max(16, min(_BLOCK_H, triton.next_power_of_2(size)))
     short_keys = hidden.dtype != torch.float32 and tile <= _SHORT_KEY_ROWS
-    max_rows = _MAX_ROWS if short_keys else _MAX_ROWS // 2  # int64 keys: twice the registers a row
-    block_rows = rows_per_block or max(16, min(max_rows, triton.next_power_of_2(n_rows)))
+    # The [rows, tile] key tile is at most _MAX_ROWS x VOCAB_TILE int32 keys (int64 keys: half): at B = 256 a
+    # 64 x 256 tile spills on sm_90a and sm_80, 32 x 256 does not.
+    key_cells = _MAX_ROWS * VOCAB_TILE // (1 if short_keys else 2)
+    block_rows = rows_per_block or max(16, min(_MAX_ROWS, key_cells // tile, triton.next_power_of_2(n_rows)))
     if tile & (tile - 1) or chunk & (chunk - 1) or block_rows & (block_rows - 1):
         raise ValueError(f"tile_v, block_h and rows_per_block must be powers of two: {tile}, {chunk}, "
                          f"{block_rows}")

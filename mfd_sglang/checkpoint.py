@@ -24,12 +24,20 @@ listed in `model.safetensors.index.json`). Accepted layouts:
 - Optional draft vocabulary: `draft_vocab [Vd]` int64, strictly increasing target token ids. The
   drafter scores only those ids; verification stays over the target's full vocabulary.
 
+Config keys (`check_config_keys`): what z-lab's reference DFlashDraftModel or SGLang 0.5.23's DFlash loader
+reads is honoured (HONOURED_KEYS; rope, layer types and sliding window resolved as transformers' Qwen3Config
+resolves them for both) or accepted only at its neutral value (NEUTRAL_ONLY_KEYS); drafters of other DFlash-family
+architectures (DFlash2, DSpark, LiLiCorr, Domino, Laguna, Muse) are refused by architecture, config key or tensor
+name with the algorithm that serves them; HF bookkeeping (IGNORED_KEYS) is ignored; any other key is kept in
+`DrafterConfig.unread_keys`, logged once per drafter directory and listed by `inspect`.
+
 Every problem is a `CheckpointError` naming the field, the found and the expected value.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,9 +45,14 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+logger = logging.getLogger(__name__)
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+# Drafter directories whose unread config keys were logged (once per process).
+_WARNED_UNREAD: set[Path] = set()
 
 # `default_mode` before the weights are seen: not set in mfd_config.
 _UNSPECIFIED = -1
@@ -50,6 +63,7 @@ _IGNORED_PREFIXES = ("mode_gate.", "rotary_emb.")
 # How the tree weighs the modes (mfd_config.mode_prior): equally, or by the mode gate's tensors.
 MODE_PRIORS = ("uniform", "gate")
 MODE_GATE_TENSORS = ("mode_prior.weight", "mode_prior.bias")
+MFD_CONFIG_KEYS = ("num_modes", "default_mode", "draft_vocab_size", "mode_prior")
 
 
 class CheckpointError(ValueError):
@@ -79,7 +93,8 @@ class DrafterConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     mode_prior: str = "uniform"  # "gate": the tree weighs the modes by the mode gate (mode_prior.*)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    unread_keys: tuple[str, ...] = ()  # config keys neither read nor known to be ignorable (check_config_keys)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # the raw keys not in HONOURED_KEYS
 
     @property
     def num_draft_positions(self) -> int:
@@ -122,10 +137,151 @@ def _dflash_value(raw: Mapping[str, Any], name: str) -> Any:
     return block.get(name, raw.get(name))
 
 
+# --- config keys: honoured, accepted at a neutral value, refused, ignored ---------------------------
+# What a drafter's config.json may carry, judged against the two readers of the format: z-lab's reference
+# DFlashDraftModel (z-lab/dflash, `dflash/model.py`: a Qwen3Config plus `dflash_config`, each dflash key also
+# read at top level) and SGLang 0.5.23's DFlash loader (`srt/models/dflash.py`, `srt/speculative/dflash_utils.py`).
+# A key that changes their drafter's numbers is honoured here or refused by name; a key neither reads for a
+# DFlash drafter is ignored only when listed below; any other key is kept unread and named in a warning (and by
+# `inspect`): verification keeps the output the target's whatever the drafter, so an unknown key can cost
+# acceptance, never correctness, and refusing it would block a released drafter over a harmless field.
+
+# Read by this parser and honoured by the drafter, or read to resolve such a key (use_sliding_window, ...).
+HONOURED_KEYS = frozenset({
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "attention_bias",
+    "rope_theta", "rope_parameters", "rope_scaling", "layer_types", "sliding_window",
+    "block_size", "target_layer_ids", "mask_token_id", "num_target_layers", "dflash_config", "mfd_config",
+    "use_sliding_window", "max_window_layers",
+})
+
+# HF bookkeeping and training-only fields that neither reader turns into drafter numbers: ignored.
+IGNORED_KEYS = frozenset({
+    "architectures",  # checked against REFUSED_FAMILIES; an architecture not in SERVED_ARCHITECTURES is unread
+    "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
+    "pad_token_id", "sep_token_id", "decoder_start_token_id", "tie_word_embeddings", "use_cache",
+    "initializer_range", "attention_dropout", "_name_or_path", "name_or_path", "return_dict",
+    "output_hidden_states", "output_attentions", "torchscript", "id2label", "label2id", "problem_type",
+    "tokenizer_class", "is_encoder_decoder", "is_decoder", "add_cross_attention", "chunk_size_feed_forward",
+    "pruned_heads", "tie_encoder_decoder", "task_specific_params", "finetuning_task", "prefix",
+    # the mask token's string: both readers take mask_token_id when it is given (this parser requires it)
+    "mask_token",
+    # SGLang reads these only with hidden_act "swigluoai", which is refused below
+    "swiglu_alpha", "swiglu_limit",
+})
+
+
+def _is_one(value: Any) -> bool:
+    return value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value == 1)
+
+
+def _is_off(value: Any) -> bool:
+    return value is None or value is False or (not isinstance(value, bool) and isinstance(value, (int, float))
+                                               and value <= 0)
+
+
+# Keys the readers honour that this drafter does not implement: accepted at the value that changes nothing
+# (name -> (is that value, what the key does there, the neutral value)), refused otherwise. Looked up at top
+# level and inside dflash_config (z-lab reads both).
+NEUTRAL_ONLY_KEYS: dict[str, tuple[Any, str, str]] = {
+    "input_embedding_scale": (_is_one, "z-lab scales the block's token embeddings by it", "1"),
+    "output_multiplier": (_is_one, "z-lab and SGLang scale the draft logits by it", "1"),
+    "final_logit_softcapping": (_is_off, "z-lab and SGLang soft-cap the draft logits at it", "null or 0"),
+    "attention_value_scale": (_is_one, "SGLang scales every layer's values by it", "null or 1"),
+    "attention_sink_bias": (lambda v: v in (None, False), "SGLang adds a per-head attention sink", "false"),
+    "swa_window_size": (lambda v: v is None, "SGLang's DSpark / Nemotron window", "null"),
+    "use_gemma_norm": (lambda v: v in (None, False), "SGLang's norms then scale by 1 + weight", "false"),
+    "rope_is_neox_style": (lambda v: v in (None, True), "SGLang's rope then rotates interleaved pairs", "true"),
+    "is_neox_style": (lambda v: v in (None, True), "SGLang's rope then rotates interleaved pairs", "true"),
+    "partial_rotary_factor": (_is_one, "SGLang rotates only that share of each head", "1"),
+    "hidden_act": (lambda v: v in (None, "silu"), "the MLP's activation (SwiGLU with SiLU here)", '"silu"'),
+    "has_embed_tokens": (lambda v: v in (None, False), "a drafter with embeddings of its own (Nemotron 3.5)",
+                         "false"),
+    "has_lm_head": (lambda v: v in (None, False), "a drafter with an lm_head of its own", "false"),
+    "sample_from_anchor": (lambda v: v in (None, True), "Nemotron 3.5 / DSpark's query layout", "true"),
+    "eagle_aux_hidden_state_layer_ids": (lambda v: v is None, "Nemotron 3.5's capture layers", "null"),
+}
+
+# Drafters of other architectures in the DFlash family: refused by name, with the algorithm that serves them.
+_DFLASH = "serve it with --speculative-algorithm DFLASH"
+REFUSED_FAMILIES: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str], ...] = (
+    # (family, architectures, config keys (non-neutral: present and not 0 / null / false), tensor name parts, fix)
+    ("DFlash2 (grouped convolutions and a candidate selector)",
+     ("DFlash2DraftModel", "DFlash2BeamDraftModel", "MiniMaxDFlash2DraftModel"),
+     ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+     (".attention_conv.", ".mlp_conv.", "candidate_selector."), _DFLASH),
+    ("DSpark", ("DSparkDraftModel", "Qwen3DSparkModel", "LingDSparkModel", "DSparkMiniMaxDraftModel"),
+     ("dspark_config", "markov_rank", "markov_head_type", "dspark_block_size", "dspark_markov_rank",
+      "dspark_noise_token_id", "dspark_target_layer_ids"), (),
+     "serve it with --speculative-algorithm DSPARK"),
+    ("LiLiCorr", ("LiLiCorrDraftModel",), ("lilicorr_hidden_size", "lilicorr_num_layers", "lilicorr_factor_dim"),
+     ("lilicorr.",), _DFLASH),
+    ("Domino (a GRU projector)", (), ("projector_type", "gru_hidden_dim", "emb_dim", "shift_label",
+                                      "pure_draft_prefix_len"), ("prefix_gru.", "embed_proj."), _DFLASH),
+    ("Laguna", ("DFlashLagunaForCausalLM",), ("gating",), ("aux_hidden_norms.", ".g_proj."), _DFLASH),
+    ("Muse Glimmer", ("MuseGlimmerAssistantModel",), (), (), _DFLASH),
+)
+SERVED_ARCHITECTURES = ("DFlashDraftModel",)
+# Files next to the weights that SGLang's DFLASH reads: mask_embedding.pt overwrites the target's mask-token
+# embedding row with a trained one.
+REFUSED_FILES = {"mask_embedding.pt": "SGLang's DFLASH writes this trained mask embedding into the target's "
+                                      "embedding table; MFD drafts with the target's own row"}
+
+
+def _family_error(family: str, found: str, fix: str) -> CheckpointError:
+    return CheckpointError(f"{found}: a {family} drafter, not a DFlash / MFD one: MFD cannot draft with it; {fix}.")
+
+
+def _set(value: Any) -> bool:
+    """A key's value that turns a feature on (not absent, null, 0, false or empty)."""
+    return value not in (None, 0, False, "", [], {})
+
+
+def check_config_keys(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """Refuse, by name, a config of another DFlash-family architecture or with a key this drafter cannot
+    honour (see NEUTRAL_ONLY_KEYS, REFUSED_FAMILIES); return the keys it does not read (unread: neither
+    honoured, neutral-checked nor IGNORED_KEYS), dflash_config's as `dflash_config.<key>`."""
+    block = raw.get("dflash_config") or {}
+    if not isinstance(block, Mapping):
+        raise field_error("dflash_config", block, "a JSON object")
+    places = (("", raw), ("dflash_config.", block))
+    architectures = raw.get("architectures") or []
+    for family, archs, keys, _, fix in REFUSED_FAMILIES:
+        for arch in architectures:
+            if arch in archs:
+                raise _family_error(family, f"config.json architectures {arch!r}", fix)
+        for where, source in places:
+            for key in keys:
+                if _set(source.get(key)):
+                    raise _family_error(family, f"config.json {where}{key} = {source[key]!r}", fix)
+    for where, source in places:
+        for key, (neutral, meaning, value) in NEUTRAL_ONLY_KEYS.items():
+            if key in source and not neutral(source[key]):
+                raise field_error(f"config.json {where}{key}", source[key], value,
+                                  f"{meaning}; the MFD drafter does not implement that, so it cannot draft as "
+                                  "this checkpoint was trained to")
+    if raw.get("quantization_config") is not None:
+        raise field_error("config.json quantization_config", raw["quantization_config"], "none (float weights)",
+                          "MFD reads the drafter's weights unquantized; serve a bf16 checkpoint, with "
+                          "--speculative-draft-model-quantization fp8 for FP8 drafting")
+    if raw.get("text_config") is not None:
+        raise field_error("config.json text_config", "a nested config", "a flat DFlash drafter config",
+                          "Both readers would read the drafter's fields from text_config; this parser does not.")
+    family_keys = {key for _, _, keys, _, _ in REFUSED_FAMILIES for key in keys}
+    read = HONOURED_KEYS | IGNORED_KEYS | set(NEUTRAL_ONLY_KEYS) | family_keys | {"quantization_config",
+                                                                                   "text_config", "is_causal"}
+    mfd = raw.get("mfd_config") if isinstance(raw.get("mfd_config"), Mapping) else {}
+    unknown_architecture = any(arch not in SERVED_ARCHITECTURES for arch in architectures)
+    return tuple(sorted(k for k in raw if k not in read or (k == "architectures" and unknown_architecture)) +
+                 sorted(f"dflash_config.{k}" for k in block if k not in read) +
+                 sorted(f"mfd_config.{k}" for k in mfd if k not in MFD_CONFIG_KEYS))
+
+
 def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
     """Read a drafter's config.json (DFlash or MFD) into a DrafterConfig, checking every field."""
     if not isinstance(raw, Mapping):
         raise field_error("config.json", type(raw).__name__, "a JSON object")
+    unread = check_config_keys(raw)
     hidden = _get_int(raw, "hidden_size")
     heads = _get_int(raw, "num_attention_heads")
     head_dim = raw.get("head_dim") or (hidden // heads)
@@ -137,6 +293,10 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
             "dflash_config.target_layer_ids", layer_ids, "a non-empty list of layer indices >= 0",
             "A DFlash drafter names the target layers whose hidden states it reads.",
         )
+    if any(a >= b for a, b in zip(layer_ids, layer_ids[1:])):
+        raise field_error("dflash_config.target_layer_ids", layer_ids, "strictly increasing layer indices",
+                          "SGLang captures the target's layers in depth order, once each, while z-lab's "
+                          "DFlashDraftModel concatenates them in the listed order: they agree only on increasing ids.")
     mask_token_id = _dflash_value(raw, "mask_token_id")
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or mask_token_id < 0:
         raise field_error("dflash_config.mask_token_id", mask_token_id, "a token id >= 0")
@@ -145,24 +305,9 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
         raise field_error("block_size", block_size, "an integer >= 2 (last verified token + drafted positions)")
 
-    rope_theta = raw.get("rope_theta")
-    rope_parameters = raw.get("rope_parameters") or {}
-    if rope_theta is None:
-        rope_theta = rope_parameters.get("rope_theta", 10000.0)
-    rope_scaling = raw.get("rope_scaling") or rope_parameters
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise field_error("rope_scaling.rope_type", rope_type, "'default'", "Only plain RoPE drafters are supported.")
-
+    rope_theta = _rope_theta(raw, int(head_dim))
     layers = _get_int(raw, "num_hidden_layers")
-    layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-            raise field_error("layer_types", layer_types, f"{layers} entries of 'full_attention'/'sliding_attention'")
-        layer_types = tuple(layer_types)
-    sliding_window = raw.get("sliding_window") if layer_types and "sliding_attention" in layer_types else None
-    if layer_types and "sliding_attention" in layer_types and not isinstance(sliding_window, int):
-        raise field_error("sliding_window", sliding_window, "an integer when layer_types has sliding_attention")
+    layer_types, sliding_window = _attention_layers(raw, layers)
 
     mfd = raw.get("mfd_config") or {}
     if not isinstance(mfd, Mapping):
@@ -180,12 +325,6 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
     if mode_prior is not None and mode_prior not in MODE_PRIORS:
         raise field_error("mfd_config.mode_prior", mode_prior, " or ".join(f'"{p}"' for p in MODE_PRIORS))
 
-    known = {
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-        "attention_bias", "block_size", "dflash_config", "target_layer_ids", "mask_token_id",
-        "num_target_layers", "mfd_config", "layer_types", "sliding_window",
-    }
     return DrafterConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -201,15 +340,75 @@ def parse_drafter_config(raw: Mapping[str, Any]) -> DrafterConfig:
         block_size=block_size,
         target_layer_ids=tuple(layer_ids),
         mask_token_id=mask_token_id,
-        num_target_layers=raw.get("num_target_layers"),
+        num_target_layers=_dflash_value(raw, "num_target_layers"),
         num_modes=num_modes or 0,  # 0 until the weights say (see _resolve_modes)
         default_mode=default_mode,
         draft_vocab_size=draft_vocab_size,
         sliding_window=sliding_window,
         layer_types=layer_types,
         mode_prior=mode_prior or "",  # "" until the weights say (see _resolve_modes)
-        extra={k: v for k, v in raw.items() if k not in known},
+        unread_keys=unread,
+        extra={k: v for k, v in raw.items() if k not in HONOURED_KEYS},
     )
+
+
+def _rope_theta(raw: Mapping[str, Any], head_dim: int) -> float:
+    """The rope base as transformers 5 resolves it (what both readers see): `rope_parameters` (the
+    transformers-5 form) over a top-level `rope_theta` (the 4.x form, with `rope_scaling`); default 10000.
+    Only plain rope over whole heads is served: any other rope_type or parameter is refused by name."""
+    params = raw.get("rope_parameters")
+    where = "rope_parameters"
+    if params is None:
+        params, where = raw.get("rope_scaling") or {}, "rope_scaling"
+    if not isinstance(params, Mapping):
+        raise field_error(where, params, "a JSON object or null")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise field_error(f"{where}.rope_type", rope_type, "'default'", "Only plain RoPE drafters are supported.")
+    plain = {"rope_type": lambda v: True, "type": lambda v: True, "rope_theta": lambda v: True,
+             "partial_rotary_factor": _is_one, "rope_dim": lambda v: v in (None, head_dim)}
+    for key, value in params.items():
+        if key not in plain or not plain[key](value):
+            raise field_error(f"{where}.{key}", value, "plain rope over whole heads (rope_type 'default', "
+                              f"partial_rotary_factor 1, rope_dim {head_dim})", "Only plain RoPE drafters are supported.")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise field_error(f"{where}.rope_theta", theta, "a positive number")
+    return float(theta)
+
+
+def _attention_layers(raw: Mapping[str, Any], layers: int) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window) as transformers' Qwen3Config resolves them for both readers:
+    `sliding_window` counts only with `use_sliding_window` true; without `layer_types` the layers from
+    `max_window_layers` (default 28) on slide when it does. A sliding layer is causal within its window
+    (z-lab's default and SGLang's); `is_causal` may only say so again."""
+    use_sliding = bool(raw.get("use_sliding_window", False))
+    sliding_window = raw.get("sliding_window") if use_sliding else None
+    layer_types = raw.get("layer_types")
+    if layer_types is None and sliding_window is not None:
+        first = raw.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if layer_types is not None:
+        if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != layers
+                or any(t not in ("full_attention", "sliding_attention") for t in layer_types)):
+            raise field_error("layer_types", layer_types, f"{layers} entries of 'full_attention'/'sliding_attention'")
+        layer_types = tuple(layer_types)
+    sliding = layer_types is not None and "sliding_attention" in layer_types
+    if sliding and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise field_error("sliding_window", raw.get("sliding_window") if use_sliding else None,
+                          "an integer when layer_types has sliding_attention",
+                          "transformers' Qwen3Config (which z-lab's and SGLang's DFlash read) keeps sliding_window "
+                          "only with use_sliding_window true" if not use_sliding else "")
+    is_causal = raw.get("is_causal")
+    if is_causal is not None:
+        changed = [i for i, t in enumerate(layer_types or ("full_attention",) * layers)
+                   if bool(is_causal) != (t == "sliding_attention")]
+        if changed:
+            raise field_error("config.json is_causal", is_causal,
+                              "null, or the value every layer has anyway (full attention bidirectional inside "
+                              "the block, sliding attention causal)",
+                              f"It would change layers {changed}, which the MFD drafter does not implement.")
+    return layer_types, sliding_window if sliding else None
 
 
 def expected_shapes(cfg: DrafterConfig, *, num_context_features: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -362,7 +561,12 @@ def _resolve_mode_prior(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor],
 
 
 def validate_weights(cfg: DrafterConfig, weights: Mapping[str, torch.Tensor]) -> None:
-    """Every required tensor present with its shape; nothing unknown left over."""
+    """Every required tensor present with its shape; nothing unknown left over (another DFlash-family
+    drafter's tensors refused by name)."""
+    for family, _, _, parts, fix in REFUSED_FAMILIES:
+        named = sorted(n for n in weights if any(part in f".{n}" for part in parts))
+        if named:
+            raise _family_error(family, f"weights {named[:3]}", fix)
     shapes = expected_shapes(cfg, num_context_features=None)
     fc = weights.get("fc.weight")
     if fc is not None and fc.dim() == 2 and fc.shape[0] == cfg.hidden_size:
@@ -395,6 +599,15 @@ def load_drafter(path: str | Path, *, device: str | torch.device = "cpu") -> Dra
         raise field_error("config.json", None, f"a file at {config_path}")
     raw = _read_json(config_path, "config.json")
     cfg = parse_drafter_config(raw)
+    for name, why in REFUSED_FILES.items():
+        if (path / name).exists():
+            raise field_error(name, f"a file in {path}", "none", f"{why}; remove it to serve this drafter with MFD")
+    if cfg.unread_keys and path.resolve() not in _WARNED_UNREAD:
+        _WARNED_UNREAD.add(path.resolve())
+        logger.warning("drafter %s: config.json keys %s are not read by MFD (neither z-lab's DFlashDraftModel nor "
+                       "SGLang's DFlash loader reads them for a DFlash drafter, as far as this plugin knows); if "
+                       "they change how the drafter drafts, acceptance suffers, never the output",
+                       path, ", ".join(cfg.unread_keys))
     weights, ignored = _canonical_names(_read_weights(path))
     cfg = _resolve_modes(cfg, weights)
     validate_weights(cfg, weights)
@@ -487,4 +700,5 @@ def describe(ckpt: DrafterCheckpoint) -> dict[str, Any]:
         "weight_bytes": drafter_weight_bytes(cfg, elements, dtype_bytes),
         "weight_bytes_fp8": drafter_weight_bytes(cfg, elements, dtype_bytes, "fp8"),
         "ignored_tensors": list(ckpt.ignored),
+        "unread_config_keys": list(cfg.unread_keys),
     }

@@ -100,6 +100,12 @@ def _gpu_ledger(args: argparse.Namespace) -> int:
     return run(args, "python -m mfd_sglang " + " ".join(args.argv))
 
 
+def _check(args: argparse.Namespace) -> int:
+    from .check.selfcheck import main
+
+    return main(args)
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import check_fits_target, describe, load_drafter
 
@@ -345,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "make-multimodal", help="a universe with M known futures: train a target, a single-mode and an MFD drafter, "
                                 "report tau / chimeras / modes against the exact ceiling (minutes)",
-        description="Builds the multimodal universe of mfd_sglang/lab/multimodal.py in OUTDIR: a small Qwen3 target "
+        description="Builds the multimodal universe of mfd_sglang/lab/multimodal/ in OUTDIR: a small Qwen3 target "
                     "trained on text where after every marker one of 4 coherent futures follows (drawn .4/.3/.2/.1, "
                     "or fixed by a cue 22 tokens back that the 1-layer sliding-window drafter cannot reach), then a "
                     "single-mode and a K-mode MFD drafter with `train` (same data, same steps), then the reference "
@@ -417,6 +423,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "every config, at --batch-sizes, the first of --shapes) to JSON and stop; scripts/gpu_check.sh "
                    "prepare writes .gpu-check-pair/round-cost-predictions.json")
     p.set_defaults(func=_gpu_ledger)
+
+    p = sub.add_parser("check", help="the self-check to run on your GPU and send back: every Triton kernel against "
+                       "its torch reference at the pair's shapes, a CUDA-graph replay, plain vs MFD vs MFD_D servers, "
+                       "the versions (one JSON report; exit 1 on any mismatch)",
+                       description="Checks this plugin on the installed SGLang with your target and drafter: see "
+                                   "mfd_sglang/check/selfcheck.py. Writes OUT/report.json, OUT/rows.jsonl and "
+                                   "OUT/server-logs.txt, prints a summary; exit status 1 when anything failed.")
+    from .check.selfcheck import add_arguments  # argparse only: nothing heavy is imported
+
+    add_arguments(p)
+    p.set_defaults(func=_check)
 
     p = sub.add_parser("inspect", help="validate and describe a drafter checkpoint")
     p.add_argument("path", help="drafter directory")
@@ -572,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # recorded in result files
-    if getattr(args, "budget", 1) < 1:
+    if getattr(args, "budget", None) is not None and args.budget < 1:
         print(f"error: --budget must be >= 1, got {args.budget}", file=sys.stderr)
         return 2
     try:

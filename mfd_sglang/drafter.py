@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backend import check_backend
 from .checkpoint import DrafterCheckpoint, DrafterConfig
 from .fp8 import FP8Linear
 from .tree import DraftCandidates, weigh_modes
@@ -149,15 +150,11 @@ def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chu
     for CPU ones, else ValueError). Its ids equal these and its log-probabilities agree up to the
     normaliser's float32 rounding, wherever both GEMMs give equal logits (see that module).
     """
-    if backend == "triton":
+    if check_backend(backend) == "triton":
         # Imported here: the torch backend must not need triton.
         from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
 
         return vocab_candidates_triton(hidden, weight, count)
-    if backend != "torch":
-        raise ValueError(
-            f"vocab_candidates backend {backend!r} is not available: only 'torch' and 'triton' are available"
-        )
     vocab = weight.shape[0]
     count = min(count, vocab)
     lead = hidden.shape[:-1]
@@ -325,7 +322,7 @@ class DrafterLayer(nn.Module):
                 backend: str = "torch", normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x + delta [bs, K*T, H] (mode-major; delta None: x alone) through the layer, as
         (its stream after attention, the MLP's output): the next layer (or the final norm) adds them, in one
-        launch with its norm on the "triton" backend (`MFDDrafter.kernel_backend`). rope: the tables of its
+        launch with its norm on the "triton" backend (`MFDDrafter.backend`). rope: the tables of its
         positions [bs, K*T]; `attend(q, k, v)` joins the block's queries / keys / values [bs, heads, K*T, hd]
         (views of [bs, K*T, heads, hd]) with the context (`dense_attention` or a paged context's mode
         attention) and returns [bs, heads, K*T, hd]. normed: x's input norm where the caller made it (delta
@@ -367,9 +364,10 @@ class MFDDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, context_features: int):
         super().__init__()
         self.cfg = cfg
-        # The fused steps of the layers and the context keys (norm + rope, residual add + norm, SiLU x up):
-        # "torch" (training, CPU) or "triton" (set by `join_projections` on CUDA).
-        self.kernel_backend = "torch"
+        # The fused steps of the layers, the block input and the context keys (norm + rope, residual add +
+        # norm, SiLU x up), FP8's quantizer and the commit's rows: "torch", or the serving stage's choice
+        # (`join_projections`, `mfd_sglang.backend`).
+        self.backend = "torch"
         self.rope_inv_freq: torch.Tensor | None = None  # float32, on the weights' device (`join_projections`)
         h = cfg.hidden_size
         self.fc = nn.Linear(context_features, h, bias=False)
@@ -433,13 +431,13 @@ class MFDDrafter(nn.Module):
 
         Every layer projects the same context, so all layers' keys come from one product and their values
         from another (`joined`), normed in one op (each layer's k-norm weight applied after) and rotated in one
-        (both in one launch on the "triton" `kernel_backend`): a commit's launches do not grow with the
+        (both in one launch on the "triton" `backend`): a commit's launches do not grow with the
         layers. FP8 linears (their own scales per layer) take each layer's `keys_values` instead."""
         ctx = self.project_context(target_hidden)
         rope = self.rope_at(positions, ctx.dtype)
         layers = self.layers
         if not plain_linears(*(m for layer in layers for m in (layer.k_proj, layer.v_proj))):
-            keys, values = zip(*(layer.keys_values(ctx, rope, self.kernel_backend) for layer in layers))
+            keys, values = zip(*(layer.keys_values(ctx, rope, self.backend) for layer in layers))
             return tuple(torch.stack([x.transpose(1, 2) for x in rows], dim=2) for rows in (keys, values))
         bs, t, _ = ctx.shape
         shape = (bs, t, len(layers), self.cfg.num_key_value_heads, self.cfg.head_dim)
@@ -447,7 +445,7 @@ class MFDDrafter(nn.Module):
                          joined([getattr(layer, name).bias for layer in layers])).view(shape)
                 for name in ("k_proj", "v_proj"))
         k_norm = joined([layer.k_norm for layer in layers]).view(len(layers), 1, -1)
-        if self.kernel_backend == "triton":
+        if self.backend == "triton":
             from mfd_sglang.kernels.norm_rope import norm_rope_
 
             norm_rope_(None, None, k.view(bs, t, -1, shape[-1]), k_norm, positions, rope.inv_freq,
@@ -466,13 +464,13 @@ class MFDDrafter(nn.Module):
         return DraftContext([k[:, :, i].transpose(1, 2) for i in range(k.shape[2])],
                             [v[:, :, i].transpose(1, 2) for i in range(v.shape[2])], positions, valid)
 
-    def join_projections(self) -> "MFDDrafter":
+    def join_projections(self, backend: str = "torch") -> "MFDDrafter":
         """Serving: the parameters read by one product each become views of one tensor (`join_in_place`): all
         layers' k_proj, v_proj (weights, biases) and k-norms for `context_kv`, each layer's gate and up
         projections for its MLP. No memory is added; the products read them in place instead of concatenating
         them per call. Plain linears only (not after `quantize_linears_fp8`); a later cast copies them apart
-        again (the products then concatenate per call). On CUDA the layers' fused steps run on Triton
-        (`kernel_backend`). Returns self."""
+        again (the products then concatenate per call). The fused steps then run on `backend` ("torch" or
+        "triton", `mfd_sglang.backend`), FP8 linears' activation quantizer too. Returns self."""
         layers = self.layers
         if plain_linears(*(m for layer in layers for m in (layer.k_proj, layer.v_proj))):
             for name in ("k_proj", "v_proj"):
@@ -482,13 +480,17 @@ class MFDDrafter(nn.Module):
         for layer in layers:
             if plain_linears(layer.gate_proj, layer.up_proj):
                 join_in_place([(layer.gate_proj, "weight"), (layer.up_proj, "weight")])
-        self.kernel_backend = "triton" if self.fc.weight.is_cuda else "torch"
+        self.backend = check_backend(backend)
+        for layer in layers:
+            for name in FP8_LINEARS:
+                if isinstance(getattr(layer, name), FP8Linear):
+                    getattr(layer, name).backend = backend
         self.rope_inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.fc.weight.device)
         return self
 
     def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """The rope of positions [bs, T] for `kernel_backend`: the tables (torch), or the positions alone."""
-        if self.kernel_backend == "triton":
+        """The rope of positions [bs, T] for `backend`: the tables (torch), or the positions alone."""
+        if self.backend == "triton":
             return Rope.positions_only(positions, self.rope_inv_freq)
         return Rope.at(positions, self.cfg, dtype)
 
@@ -538,9 +540,9 @@ class MFDDrafter(nn.Module):
         rope = self.rope_at(positions, x.dtype)
         delta = None
         for layer, attend in zip(self.layers, attends):
-            x, delta = layer(x, delta, rope, attend, self.kernel_backend, normed)
+            x, delta = layer(x, delta, rope, attend, self.backend, normed)
             normed = None
-        x = residual_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps, self.kernel_backend)[1].view(bs, k, t, h)
+        x = residual_rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps, self.backend)[1].view(bs, k, t, h)
         drafted = x[:, :, 1:].contiguous()
         return (drafted, x[:, :, 0]) if with_anchor else drafted
 
@@ -600,7 +602,7 @@ class MFDDrafter(nn.Module):
         the blocks `[root, MASK...]` at positions starts.. over the context (DraftContext or paged), with the
         target's embeddings. modes: draft only each request's modes of the subset, weighed by its log-prior."""
         block, mode_ids = self.cfg.block_size, None if modes is None else modes.ids
-        if self.kernel_backend == "triton":  # the block input in one launch
+        if self.backend == "triton":  # the block input in one launch
             from mfd_sglang.kernels.block_input import block_input
 
             x, normed, positions = block_input(roots, starts, embed_weight,

@@ -22,8 +22,8 @@ Product: y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k] (+ bias), accumul
       cores, row-wise scales, bf16 out; other output dtypes get a float32 product with unit scales, scaled after;
   elsewhere (CPU; odd widths on CUDA): the reference, the e4m3 values as float32 (exact), their matmul, then
       the scales (`reference_mm`).
-Activations on CUDA are quantized by one Triton kernel (`mfd_sglang.kernels.fp8_quant`), bit-identical to
-`quantize_rows` (held to it by tests/test_fp8.py under the Triton interpreter and by the GPU check's
+Activations on the "triton" backend (`mfd_sglang.backend`; the drafter's) are quantized by one Triton kernel
+(`mfd_sglang.kernels.fp8_quant`), bit-identical to `quantize_rows` (held to it by tests/test_fp8.py under the Triton interpreter and by the GPU check's
 `fp8_draft` rows on the device); so both paths quantize identically and only the matmul's accumulation differs.
 """
 
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from mfd_sglang.backend import check_backend
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -45,10 +47,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() * scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` of [M, K]: one fused Triton kernel on CUDA (five torch passes cost about what FP8's
-    GEMM saves), the torch code elsewhere."""
-    if rows.is_cuda:
+def quantize_activations(rows: torch.Tensor, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of [M, K] on `backend` (`mfd_sglang.backend`): "triton" is one fused kernel (five torch
+    passes cost about what FP8's GEMM saves), "torch" the torch code."""
+    if check_backend(backend) == "triton":
         from mfd_sglang.kernels.fp8_quant import quantize_rows_triton  # the CPU path must not need triton
 
         return quantize_rows_triton(rows if rows.stride(-1) == 1 else rows.contiguous())
@@ -85,6 +87,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", values)
         self.register_buffer("weight_scale", scales.view(-1))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.backend = "torch"  # the activation quantizer's (the drafter's, `MFDDrafter.join_projections`)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
@@ -97,7 +100,7 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        q_x, x_scale = quantize_activations(rows)
+        q_x, x_scale = quantize_activations(rows, self.backend)
         mm = scaled_mm if rows.is_cuda and self.on_tensor_cores else reference_mm
         out = mm(q_x, x_scale, self.weight, self.weight_scale, x.dtype)
         if self.bias is not None:

@@ -1,8 +1,10 @@
 """GPU cost ledger: the CUDA kernels of MFD's own round stages (draft, tree, verify layout, verify input,
 accept, commit) as the serving worker runs them, at Qwen3-4B / Qwen3-8B drafter shapes, bs 1 / 8 / 32, MFD
 (K = 8) and MFD_D's single-mode path, B = 16 / 64; their predicted H200 time from `gpu_cost`'s model, its
-launch floor fitted to the committed H200 log (round_cost.py's measured round, traced the same way); and the
-sm_90a / sm_80 compiles of every Triton kernel at its serving launch. What is counted and how: `gpu_cost`.
+launch floor fitted to the committed H200 log (round_cost.py's measured round, traced the same way); the round
+at the default budget on CUDA (the schedule of `serving.budget_schedule`) beside a plain decode step for bs 1,
+4, 8, 16, 32, 64 (`default_budget_rows`); and the sm_90a / sm_80 compiles of every Triton kernel at its serving
+launch. What is counted and how: `gpu_cost`.
 Runs from a checkout (it reads benchmarks/round_cost.py's shapes and builders):
 
     python -m mfd_sglang gpu-ledger --out benchmarks/results/gpu-ledger-DATE
@@ -57,6 +59,7 @@ class Scenario:
     bs: int
     budget: int
     context_len: int = CONTEXT_LEN
+    backend: str = "triton"  # the round's (`mfd_sglang.backend`): a CUDA server's --mfd-kernels auto
 
     @property
     def modes(self) -> int:
@@ -92,7 +95,8 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
       verify_input  `layout_verify_input`: SGLang's flat custom mask of the windows;
       accept        `accept_tree` over the target's logits [bs * (B + 1), V] (float32: SGLang 0.5.23's logits
                     processor casts them), `pad_result`;
-      commit        `commit_round`: the drafter context K/V of root + path into the pool.
+      commit        `commit_round`: the drafter context K/V of root + path into the pool (at budget 0, plain
+                    decoding, the worker batches these writes: counted each round here, an upper bound).
     Not counted: SGLang's own work around them (`eagle_prepare_for_verify`, the target forward,
     `move_accept_tokens_to_target_kvcache`)."""
     from types import SimpleNamespace
@@ -102,6 +106,7 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
     from mfd_sglang.serving.budget import Arm
     from mfd_sglang.serving.commit import commit_round
     from mfd_sglang.serving.tree_verify import layout_verify_input
+    from mfd_sglang.tree import empty_tree
 
     cfg = target_config(s.shape)
     nodes = s.budget + 1
@@ -109,7 +114,7 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
     with KernelTrace(s.context_len) as trace:
         fake_cuda(drafter)
         embed = torch.empty(cfg.vocab, cfg.hidden, device="cuda", dtype=DTYPE)
-        stage = draft_stage.DraftStage(drafter, embed, drafter.head_weight(embed), device="cuda")
+        stage = draft_stage.DraftStage(drafter, embed, drafter.head_weight(embed), backend=s.backend)
         max_len = s.context_len + nodes
         req_to_token = torch.arange(s.bs * max_len, device="cuda", dtype=torch.int32).view(s.bs, max_len)
         stage.init_context_pool(s.bs * max_len, SimpleNamespace(req_to_token=req_to_token), device="cuda", dtype=DTYPE)
@@ -121,16 +126,19 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
         window_slots = torch.empty(s.bs, nodes, device="cuda", dtype=torch.int64)
         batch = SimpleNamespace(sampling_info=SimpleNamespace(is_all_greedy=True, logit_bias=None,
                                                               penalizer_orchestrator=None))
+        candidates = None
         with trace.stage("draft"):
-            context = stage.context_pool.paged(req_to_token, requests, seq_lens, stage.mode_attention_backend)
-            candidates = stage.candidates(roots, seq_lens, context, Arm(CONFIGS[s.config], s.budget))
+            if s.budget:  # budget 0 (plain decoding) drafts nothing: the root alone
+                context = stage.context_pool.paged(req_to_token, requests, seq_lens, stage.backend)
+                candidates = stage.candidates(roots, seq_lens, context, Arm(CONFIGS[s.config], s.budget))
         layout_step = trace.labelled("layout", draft_stage.tree_to_verify_layout)
         with trace.stage("tree"), patched(draft_stage, "tree_to_verify_layout", layout_step):
-            tree, layout = stage.tree_of(candidates, roots, seq_lens, s.budget)
+            tree, layout = (stage.tree_of(candidates, roots, seq_lens, s.budget) if s.budget else
+                            stage.with_layout(empty_tree(s.bs, "cuda"), roots, seq_lens))
         with trace.stage("verify_input"):
-            layout_verify_input(layout, seq_lens, s.bs * s.context_len, drafter.num_draft_positions)
+            layout_verify_input(layout, seq_lens, s.bs * s.context_len, drafter.num_draft_positions, stage.backend)
         with trace.stage("accept"):
-            result = pad_result(accept_tree(tree, layout, logits, batch, seq_lens)[0], nodes)
+            result = pad_result(accept_tree(tree, layout, logits, batch, seq_lens, backend=stage.backend)[0], nodes)
         with trace.stage("commit"):
             commit_round(result, hidden, seq_lens, window_slots, stage.context_pool, drafter, lambda path: None)
     return trace.kernels
@@ -158,8 +166,7 @@ def trace_round_cost(config: str, bs: int, shape: str = "qwen3-4b") -> list[Kern
             target = rc.StaticTarget(cfg, "cuda", DTYPE, seed=0)
         target.allocate(bs, CONTEXT_LEN + rc.BUDGET + 1)
         # Joined on its (fake) CUDA weights as round_cost joins it on a GPU: the same fused steps.
-        spec = rc.SpecRound(target, fake_cuda(drafter).join_projections(), budget=rc.BUDGET, single_mode=single_mode,
-                            tree_backend="triton")
+        spec = rc.SpecRound(target, fake_cuda(drafter), budget=rc.BUDGET, single_mode=single_mode, backend="triton")
         roots = torch.zeros(bs, dtype=torch.int64, device="cuda")
         cache_lens = torch.full((bs,), CONTEXT_LEN, dtype=torch.int64, device="cuda")
         with trace.stage("ar_step"):
@@ -173,6 +180,104 @@ def trace_round_cost(config: str, bs: int, shape: str = "qwen3-4b") -> list[Kern
         with trace.stage("commit"):
             spec.commit(result, features, cache_lens)
     return trace.kernels
+
+
+def trace_target_forward(shape: str, bs: int, window: int) -> list[Kernel]:
+    """The kernels of round_cost.py's target (`StaticTarget`: the target whose measured decode steps the launch
+    floor is fitted to) over `window` tokens per request at batch size bs, `CONTEXT_LEN` tokens in: window 1 is
+    a plain decode step with its greedy pick (`trace_round_cost`'s ar_step), a wider one the target's forward
+    of a verify window, logits of every node (SGLang's verify; MFD's accept is the worker's own stage). A torch
+    Qwen3 of ~1,900 launches a step, more than SGLang's fused target: what the ledger can model of the
+    target, not SGLang's own forward."""
+    rc = round_cost_module()
+    cfg = target_config(shape)
+    with KernelTrace(CONTEXT_LEN) as trace:
+        with patched(torch, "Generator", _cpu_generator):
+            target = rc.StaticTarget(cfg, "cuda", DTYPE, seed=0)
+        target.allocate(bs, CONTEXT_LEN + max(window, rc.BUDGET + 1))  # round_cost's cache: the fitted step's
+        tokens = torch.zeros(bs, window, dtype=torch.int64, device="cuda")
+        cache_lens = torch.full((bs,), CONTEXT_LEN, dtype=torch.int64, device="cuda")
+        with trace.stage("target"):
+            if window == 1:
+                target.decode(tokens[:, 0], cache_lens).argmax(-1)
+            else:
+                ancestors = torch.ones(bs, window, window, dtype=torch.bool, device="cuda")
+                target.verify(tokens, cache_lens[:, None] + target.slots[:window], ancestors, cache_lens)
+    return by_stage(trace.kernels)["target"]
+
+
+DEFAULT_BATCH_SIZES = (1, 4, 8, 16, 32, 64)
+SERVERS = ("mfd", "mfd_d")  # --speculative-algorithm MFD / MFD_D at their default flags
+
+
+def drafter_and_target_configs(shape: str) -> tuple:
+    """(drafter config, target text config) of the ledger's drafter (K = 8) on `shape`'s Qwen3 target, as a
+    server reads them (`checkpoint.parse_drafter_config`, the target's config.json fields)."""
+    from mfd_sglang.checkpoint import parse_drafter_config
+
+    rc = round_cost_module()
+    cfg = target_config(shape)
+    drafter = parse_drafter_config(rc.drafter_raw_config(cfg, rc.spread_layer_ids(cfg.layers, cfg.draft_layers),
+                                                         NUM_MODES))
+    target = {"hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+              "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate,
+              "vocab_size": cfg.vocab}
+    return drafter, target
+
+
+def default_schedule(shape: str, server: str, max_requests: int):
+    """The default budget schedule on CUDA (`serving.budget_schedule`) of an MFD or MFD_D server at default
+    flags (B = 64, MFD_D's switch at 3 requests) with the ledger's drafter on `shape`'s target, TP 1, for
+    batches of up to max_requests requests."""
+    from mfd_sglang.serving.budget_schedule import BudgetSchedule, RoundModel
+    from mfd_sglang.serving.options import (DEFAULT_SWITCH_THRESHOLD, budget_from_num_draft_tokens,
+                                            default_num_draft_tokens)
+
+    launch_budget = budget_from_num_draft_tokens(default_num_draft_tokens("cuda"))
+    return BudgetSchedule(RoundModel.of(*drafter_and_target_configs(shape)), launch_budget, max_requests,
+                          switch_threshold=DEFAULT_SWITCH_THRESHOLD if server == "mfd_d" else None)
+
+
+def default_budget_rows(shape: str = "qwen3-4b", batch_sizes=DEFAULT_BATCH_SIZES, floor_s: float = 0.0,
+                        compiles: dict | None = None, device: DeviceModel = H200,
+                        progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+    """Per server (`SERVERS`) and batch size, the round at the default budget beside a plain decode step, in
+    the ledger's model (launch floor floor_s; compiles: Triton compiles for issue times, None: without them):
+    the schedule's budget and path (`default_schedule`, batches up to the largest of batch_sizes), MFD's own
+    stages there (`trace_worker_round`), the target's verify of bs (b + 1) tokens and its plain step of bs
+    (`trace_target_forward`); the break-even accept length round / plain step; the schedule's own roofline
+    ratio (`RoundModel`), which it bounds by `ROUND_STEPS`."""
+    from mfd_sglang.serving.budget import describe_path
+
+    traced: dict = {}  # the servers share rounds and steps: each traced once
+
+    def kernels(trace, *args) -> list[Kernel]:
+        if (trace, args) not in traced:
+            traced[trace, args] = trace(*args)
+            if compiles is not None:
+                attach_issue_times(traced[trace, args], compiles, device)
+        return traced[trace, args]
+
+    rows = []
+    for server in SERVERS:
+        schedule = default_schedule(shape, server, max(batch_sizes))
+        for bs in batch_sizes:
+            budget, path = schedule.budget(bs), schedule.path(bs)
+            progress(f"tracing {shape} {server} bs {bs} at its default budget {budget}")
+            own = kernels(trace_worker_round, Scenario(shape, "mfd_d" if path.single_mode else "mfd", bs, budget))
+            verify = kernels(trace_target_forward, shape, bs, budget + 1)
+            plain = kernels(trace_target_forward, shape, bs, 1)
+            own_ms, verify_ms, plain_ms = (1e3 * predicted_seconds(roofline_seconds(kernels, device), floor_s)
+                                           for kernels in (own, verify, plain))
+            modes = schedule.modes(path)
+            rows.append({"shape": shape, "server": server, "bs": bs, "path": describe_path(path), "K": modes,
+                         "B": budget, "own_ms": round(own_ms, 4), "verify_ms": round(verify_ms, 4),
+                         "round_ms": round(own_ms + verify_ms, 4), "plain_ms": round(plain_ms, 4),
+                         "break_even": round((own_ms + verify_ms) / plain_ms, 3),
+                         "rule_ratio": round(schedule.model.round_seconds(bs, budget, modes)
+                                             / schedule.model.plain_seconds(bs), 3),
+                         "launches": {"own": len(own), "verify": len(verify), "plain": len(plain)}})
+    return rows
 
 
 def serving_launches(shape: str = "qwen3-4b", bs: int = 1, budget: int = 64) -> dict[str, TritonLaunch]:
@@ -243,10 +348,12 @@ def fit_rows(log: Path, compiles: dict, device: DeviceModel = H200) -> list[dict
 
 def build_report(shapes=tuple(SHAPES), batch_sizes=(1, 8, 32), configs=tuple(CONFIGS), budgets=(16, 64),
                  log: Path = DEFAULT_LOG, fit_on=("ar_step_ms",), device: DeviceModel = H200,
-                 progress: Callable[[str], None] = lambda line: None) -> dict:
+                 progress: Callable[[str], None] = lambda line: None,
+                 default_batch_sizes=DEFAULT_BATCH_SIZES) -> dict:
     """The ledger (module docstring): the launch floor fitted on the log's `fit_on` quantities, each row's
-    residual; per scenario and stage launches, bytes, FLOPs and predicted ms; the compiles of every Triton
-    kernel at the serving shapes (Qwen3-4B, bs 1, K = 8, B = 64) for sm_90a and sm_80."""
+    residual; per scenario and stage launches, bytes, FLOPs and predicted ms; per shape the rounds at the
+    default budget beside a plain step (`default_budget_rows`); the compiles of every Triton kernel at the
+    serving shapes (Qwen3-4B, bs 1, K = 8, B = 64) for sm_90a and sm_80."""
     compiles: dict = {}
     progress("tracing round_cost.py's measured round")
     rows = fit_rows(log, compiles, device)
@@ -276,6 +383,8 @@ def build_report(shapes=tuple(SHAPES), batch_sizes=(1, 8, 32), configs=tuple(CON
                                                 "counted": k.counted, "bytes": k.bytes, "flops": k.flops,
                                                 "issue_us": round(k.issue_s * 1e6, 3)} for k in kernels
                                                if k.source != "aten"]})
+    defaults = [row for shape in shapes
+                for row in default_budget_rows(shape, default_batch_sizes, floor, compiles, device, progress)]
     progress("compiling the Triton kernels for sm_90a and sm_80")
     triton_rows = []
     for name, launch in sorted(serving_launches().items()):
@@ -294,7 +403,15 @@ def build_report(shapes=tuple(SHAPES), batch_sizes=(1, 8, 32), configs=tuple(CON
                 "issue_bound_ms": None if issue is None else round(issue * 1e3, 4)})
     return {"device": vars(device), "model": MODEL_NOTE,
             "free_ops": sorted(FREE_OPS), "counting": COUNTING_NOTE, "fit": fit, "ledger": ledger,
-            "triton": triton_rows}
+            "defaults": defaults, "triton": triton_rows}
+
+
+def plain_step_floor(log: Path = DEFAULT_LOG, shape: str = "qwen3-4b", device: DeviceModel = H200) -> float:
+    """The launch floor fitted to the log's plain decode steps (`trace_target_forward` at window 1, the
+    measured step's kernels): the ledger's default fit."""
+    steps = {r["bs"]: r["ar_step_ms"] for r in log_rows(log)}
+    return fit_launch_floor([(roofline_seconds(trace_target_forward(shape, bs, 1), device), ms / 1e3)
+                             for bs, ms in steps.items()])
 
 
 def round_cost_predictions(batch_sizes=(1, 32), shape: str = "qwen3-4b", log: Path = DEFAULT_LOG,
@@ -313,10 +430,7 @@ def round_cost_predictions(batch_sizes=(1, 32), shape: str = "qwen3-4b", log: Pa
             traced[config, bs] = by_stage(kernels)
         return traced[config, bs]
 
-    # The fit, as the ledger's default: the log's plain decode steps (the same kernels in every config's trace).
-    any_config = next(iter(rc.CONFIGS))
-    floor = fit_launch_floor([(roofline_seconds(stages_of(any_config, r["bs"])["ar_step"], device), r["ar_step_ms"] / 1e3)
-                              for r in {r["bs"]: r for r in log_rows(log)}.values()])
+    floor = plain_step_floor(log, shape, device)
     rows = []
     for config in rc.CONFIGS:
         for bs in batch_sizes:
@@ -343,6 +457,29 @@ COUNTING_NOTE = {
 }
 
 
+def default_budget_markdown(rows: list[dict]) -> list[str]:
+    """Markdown lines of `default_budget_rows`: per shape, the round at the default budget beside a plain step."""
+    from mfd_sglang.serving.budget_schedule import ROUND_STEPS
+
+    lines = []
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        lines += ["", f"## {shape}: rounds at the default budget on CUDA beside a plain decode step (context "
+                  f"{CONTEXT_LEN} tokens per request)", "",
+                  "The budget is the default schedule's (`serving/budget_schedule.py`: no --speculative-num-draft-"
+                  "tokens, no --mfd-auto-budget; MFD_D's single-mode path from 3 requests); round = MFD's own "
+                  "stages + the target's verify of bs (B + 1) tokens; plain = the target's decode step of bs tokens. "
+                  "The target is round_cost.py's torch Qwen3 (the one the launch floor is fitted to, ~1,900 "
+                  "launches a step), not SGLang's fused forward: its launch floors make small windows cost alike. "
+                  "Break-even: the accept length (bonus included) at which the round pays, round / plain; "
+                  f"rule: the schedule's own roofline ratio, which it keeps <= {ROUND_STEPS:g}.", "",
+                  "| server | bs | path | B | own stages ms | verify ms | round ms | plain step ms | break-even | "
+                  "rule |", "|---" * 10 + "|"]
+        lines += [f"| {r['server']} | {r['bs']} | {r['path']} | {r['B']} | {r['own_ms']:.3f} | {r['verify_ms']:.3f} | "
+                  f"{r['round_ms']:.3f} | {r['plain_ms']:.3f} | {r['break_even']:.2f} | {r['rule_ratio']:.2f} |"
+                  for r in rows if r["shape"] == shape]
+    return lines
+
+
 def markdown(report: dict, command: str) -> str:
     """The report as Markdown: the command, the model and its fit, per shape the stage table (launches / ms),
     the Triton compile table."""
@@ -362,6 +499,7 @@ def markdown(report: dict, command: str) -> str:
             cells = [f"{row['stages'][name]['launches']} / {row['stages'][name]['ms']:.3f}" for name in STAGES]
             lines.append(f"| {row['config']} | {row['K']} | {row['bs']} | {row['B']} | " + " | ".join(cells)
                          + f" | {row['total']['launches']} / {row['total']['ms']:.3f} |")
+    lines += default_budget_markdown(report.get("defaults", []))
     lines += ["", "## Triton kernels at the serving shapes (Qwen3-4B, bs 1, K = 8, B = 64)", "",
               "| kernel | arch | grid | warps | registers | spill bytes | shared bytes (limit) | SASS instructions | "
               "loops (instructions) | loop trips | issue-bound ms |", "|---" * 11 + "|"]

@@ -16,19 +16,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mfd_sglang.backend import check_backend
+
 
 def mode_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor, pool_k: torch.Tensor,
                    pool_v: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    context_lens: torch.Tensor, *, num_modes: int, backend: str = "torch") -> torch.Tensor:
     """q [bs, Hq, K*T, d]; block_k / block_v [bs, Hkv, K*T, d]; pool_k / pool_v [slots, Hkv, d];
     req_to_token [R, max_len] slot ids; req_pool_indices [bs]; context_lens [bs]. Returns [bs, Hq, K*T, d]."""
-    if backend == "triton":
+    if check_backend(backend) == "triton":
         from mfd_sglang.kernels.mode_attention import mode_attention_triton
 
         return mode_attention_triton(q, block_k, block_v, pool_k, pool_v, req_to_token, req_pool_indices,
                                      context_lens, num_modes=num_modes)
-    if backend != "torch":
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     bs, _, rows, _ = q.shape
     width = int(context_lens.max()) if bs else 0
     slots = req_to_token[req_pool_indices.long(), :width].long()

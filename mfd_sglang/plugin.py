@@ -10,8 +10,9 @@ arguments, so what is registered here is known everywhere:
     (`mfd_sglang.patches.launch_checks`), the per-request checks
     (`mfd_sglang.patches.request_checks`), the penalty state on the forward's sampling info
     (`mfd_sglang.patches.penalty_state`), the target's decode CUDA-graph runner as a tree-verify one
-    (`mfd_sglang.patches.tree_verify_graph_runner`) and the tree path of the hybrid linear-attention
-    backend (`mfd_sglang.patches.hybrid_tree_verify`);
+    (`mfd_sglang.patches.tree_verify_graph_runner`), the tree path of the hybrid linear-attention
+    backend (`mfd_sglang.patches.hybrid_tree_verify`) and `/server_info`'s accept length from the first
+    round on (`mfd_sglang.patches.accept_length_info`);
   - the `mfd_cpu` attention backend (plain torch, for CPU-only machines; `mfd_sglang.cpu.attention`);
   - the CPU HookRegistry hooks, when `python -m mfd_sglang.cpu.launch_server` started the process
     tree (`MFD_SGLANG_CPU=1`); SGLang applies hooks per process, so they are registered again in
@@ -43,8 +44,8 @@ def source_checkout_error() -> str | None:
         return None
     return (f"mfd_sglang was imported from {here}, a source checkout without its patches/ and kernels/ "
             "(only an install maps them in): the process was started in the repository root, which "
-            "`python -m` puts first on sys.path. Start the server from another directory, or install the "
-            "package (pip install -e .).")
+            "`python -m` puts first on sys.path. Start the server from another directory, with the package "
+            "installed (pip install . in the clone, as README.md's Install section says).")
 
 
 def mfd_worker_class(server_args):
@@ -65,8 +66,8 @@ def register() -> None:
     from . import __version__
     from .cpu import install_if_requested
     from .cpu.attention import register_cpu_attention_backend
-    from .patches import (hybrid_tree_verify, installed_check, launch_checks, mfd_flags, penalty_state,
-                          request_checks, retraction_backup, tree_verify_graph_runner)
+    from .patches import (accept_length_info, hybrid_tree_verify, installed_check, launch_checks, mfd_flags,
+                          penalty_state, request_checks, retraction_backup, tree_verify_graph_runner)
 
     try:
         from .serving.algorithms import register_algorithms
@@ -83,6 +84,7 @@ def register() -> None:
     tree_verify_graph_runner.install()
     hybrid_tree_verify.install()
     retraction_backup.install()
+    accept_length_info.install()
     backend = register_cpu_attention_backend()
     cpu_hooks = install_if_requested()
     installed_check.install()

@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from mfd_sglang.backend import check_backend
+
 
 @dataclass
 class DraftTree:
@@ -100,10 +102,7 @@ def build_mixture_tree(logprobs: Tensor | DraftCandidates, budget: int, *, backe
     output, float32/float16/bfloat16 input only; needs a CUDA tensor, or TRITON_INTERPRET=1 set
     before triton is imported for CPU tensors, else ValueError).
     """
-    if backend not in ("torch", "triton"):
-        raise ValueError(
-            f"tree backend {backend!r} is not available: only 'torch' and 'triton' are available"
-        )
+    check_backend(backend)
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     if isinstance(logprobs, DraftCandidates):

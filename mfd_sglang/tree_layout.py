@@ -6,9 +6,9 @@ i.e. best first. Padding nodes (valid False) keep their slot so every shape is f
 links to them: their token is 0, their position seq_len + 1 and their mask row sees the prefix,
 the root and themselves.
 
-Everything but `full_custom_mask` without `total_len` is fixed-shape and host-sync free. On CUDA the
-layout is one Triton launch (`mfd_sglang.kernels.tree_walk`) and the custom mask two
-(`mfd_sglang.kernels.verify_mask`), bit-identical to the torch references here.
+Everything but `full_custom_mask` without `total_len` is fixed-shape and host-sync free. On the "triton"
+backend (`mfd_sglang.backend`) the layout is one launch (`mfd_sglang.kernels.tree_walk`) and the custom mask
+two (`mfd_sglang.kernels.verify_mask`), bit-identical to the torch references here.
 """
 
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mfd_sglang.backend import check_backend
 from mfd_sglang.tree import DraftTree
 
 
@@ -56,28 +57,24 @@ def tree_ancestor_mask(tree: DraftTree) -> Tensor:
     return reach
 
 
-def layout_backend(backend: str | None, tensor: Tensor) -> str:
-    """The backend of the verify layout, its custom mask and the accepted path: "torch" (the references) or
-    "triton" (`kernels.tree_walk`, `kernels.verify_mask`); None picks Triton on CUDA (and for a non-empty
-    batch), else torch."""
-    if backend is None:
-        return "triton" if tensor.is_cuda and tensor.shape[0] > 0 else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'torch' or 'triton', not {backend!r}")
-    return backend
+def runs_triton(backend: str, tensor: Tensor) -> bool:
+    """Whether the verify layout, its custom mask or the accepted path of the batch `tensor` leads runs on the
+    "triton" backend (`kernels.tree_walk`, `kernels.verify_mask`): backend "triton" and a batch that is not
+    empty (an empty batch has nothing to launch for); ValueError for an unknown backend."""
+    return check_backend(backend) == "triton" and tensor.shape[0] > 0
 
 
 def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor,
-                          backend: str | None = None) -> VerifyLayout:
+                          backend: str = "torch") -> VerifyLayout:
     """The verify layout of a batched tree ([bs, budget] fields).
 
     root_tokens: [bs] the last verified token of each request.
     seq_lens: [bs] tokens already in the KV cache before the root.
-    backend: see `layout_backend`.
+    backend: "torch" or "triton" (`mfd_sglang.backend`; see `runs_triton`).
     """
     if tree.tokens.dim() != 2:
         raise ValueError("tree_to_verify_layout needs a batched tree ([bs, budget] fields)")
-    if layout_backend(backend, tree.tokens) == "triton":
+    if runs_triton(backend, tree.tokens):
         from mfd_sglang.kernels.tree_walk import verify_layout_triton
 
         return verify_layout_triton(tree, root_tokens, seq_lens)
@@ -106,18 +103,18 @@ def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor
 
 
 def full_custom_mask(
-    ancestor_mask: Tensor, seq_lens: Tensor, total_len: int | None = None, backend: str | None = None
+    ancestor_mask: Tensor, seq_lens: Tensor, total_len: int | None = None, backend: str = "torch"
 ) -> Tensor:
     """SGLang's FULL_MASK custom_mask: flat bool, per request a row-major N x (seq_len + N) block.
 
     Prefix columns are True, tree columns are `ancestor_mask`; request b starts at
     N * sum(seq_lens[:b]) + b * N * N. `total_len` must be N * sum(seq_lens) + bs * N * N; when it
-    is None it is read from `seq_lens`, which syncs with the device. backend: see `layout_backend`.
+    is None it is read from `seq_lens`, which syncs with the device. backend: as `tree_to_verify_layout`'s.
     """
     bs, num_nodes, _ = ancestor_mask.shape
     if total_len is None:
         total_len = num_nodes * int(seq_lens.sum()) + bs * num_nodes * num_nodes  # an integer sum is int64
-    if layout_backend(backend, ancestor_mask) == "triton":
+    if runs_triton(backend, ancestor_mask):
         from mfd_sglang.kernels.verify_mask import full_custom_mask_triton
 
         return full_custom_mask_triton(ancestor_mask, seq_lens, total_len)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mfd_sglang.tree import DraftTree
-from mfd_sglang.tree_layout import layout_backend, local_parents, tree_ancestor_mask, with_root
+from mfd_sglang.tree_layout import local_parents, runs_triton, tree_ancestor_mask, with_root
 
 
 @dataclass
@@ -62,22 +62,22 @@ class Sampling:
     max_top_k: int | None = None
 
 
-def verify_tree_greedy(tree: DraftTree, target_logits: Tensor) -> TreeVerifyResult:
-    """Accept the longest tree path that the target's argmax agrees with."""
-    return accept_path(tree, target_logits.argmax(dim=-1))
+def verify_tree_greedy(tree: DraftTree, target_logits: Tensor, backend: str = "torch") -> TreeVerifyResult:
+    """Accept the longest tree path that the target's argmax agrees with (backend: `accept_path`'s)."""
+    return accept_path(tree, target_logits.argmax(dim=-1), backend)
 
 
 def verify_tree_sampling(tree: DraftTree, target_logits: Tensor, sampling: Sampling,
-                         root_positions: Tensor) -> TreeVerifyResult:
+                         root_positions: Tensor, backend: str = "torch") -> TreeVerifyResult:
     """Accept the tree path that one target sample per node agrees with.
 
     root_positions [bs]: the position of each request's root token. Node i's token sits at
     root_positions + its depth; the draw after it (the token its children are matched against)
-    uses that position's coin.
+    uses that position's coin. backend: `accept_path`'s.
     """
     depths = with_root(0, tree.depths)
     target_tokens = sample_from_logits(target_logits, sampling, root_positions[:, None] + depths)
-    return accept_path(tree, target_tokens)
+    return accept_path(tree, target_tokens, backend)
 
 
 def sub_budget_accept_lens(result: TreeVerifyResult, budgets: Tensor) -> Tensor:
@@ -167,11 +167,11 @@ def _mul32(a: Tensor, c: int) -> Tensor:
     return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
 
-def accept_path(tree: DraftTree, target_tokens: Tensor, backend: str | None = None) -> TreeVerifyResult:
+def accept_path(tree: DraftTree, target_tokens: Tensor, backend: str = "torch") -> TreeVerifyResult:
     """Walk a batched tree given the target's token at every local node ([bs, N]): its argmax, its
     sample, or (the evaluation's replay) the token a known continuation has after that node's depth.
-    backend: `tree_layout.layout_backend` (on CUDA one Triton launch, bit-identical)."""
-    if layout_backend(backend, tree.tokens) == "triton":
+    backend: "torch", or "triton" (one launch, bit-identical; `tree_layout.runs_triton`)."""
+    if runs_triton(backend, tree.tokens):
         from mfd_sglang.kernels.tree_walk import accept_path_triton
 
         return accept_path_triton(tree, target_tokens)

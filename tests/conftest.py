@@ -56,6 +56,13 @@ def tiny_pair(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid_pair(tmp_path_factory) -> Path:
+    """make-tiny's hybrid pair (a Qwen3.5-shaped target: two Gated DeltaNet layers, then full attention; drafters
+    as tiny_pair's), built once for the modules that serve hybrid targets."""
+    return make_tiny(tmp_path_factory.mktemp("tiny_hybrid"), seed=0, num_modes=4, hybrid=True, log=lambda *a: None)
+
+
+@pytest.fixture(scope="session")
 def tiny_dflash_drafter(tiny_pair) -> Path:
     """The pair's single-mode drafter, a plain DFlash checkpoint (K = 1, no mode_embed, no mfd_config), trained
     as the MFD drafter is (same continuations, same steps)."""

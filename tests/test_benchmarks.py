@@ -124,13 +124,13 @@ TIGHT = {"MFD": 2.0}
 
 
 def server_pair(bounds=None):
-    from server_exactness import Pair
+    from mfd_sglang.check.servers import Pair
 
     return Pair("test pair", Path("t"), Path("d"), ((0,), (0,)), bounds)
 
 
 def test_server_rows_require_exactness_in_fp32_completion_and_the_accept_bound():
-    from server_exactness import Server, ServerConfig, compare
+    from mfd_sglang.check.servers import Server, ServerConfig, compare
 
     plain = {"ids": [[1, 2, 3], [4, 5, 6]], "startup_s": 1.0, "accept_length": [None, None],
              "fallback_to_triton_logged": False, "log_events": []}
@@ -151,8 +151,8 @@ def test_server_rows_require_exactness_in_fp32_completion_and_the_accept_bound()
 
 
 def test_bf16_rows_pass_a_divergence_only_at_a_near_tie_of_the_plain_server(monkeypatch):
-    import server_exactness
-    from server_exactness import NEAR_TIE_NATS, Launch, Server, ServerConfig, ServerLogs, compare
+    from mfd_sglang.check import servers as check_servers
+    from mfd_sglang.check.servers import NEAR_TIE_NATS, Launch, Server, ServerConfig, ServerLogs, compare
 
     launch = Launch("cpu", time.time() + 600, Path("."), ServerLogs(None))
     plain = {"ids": [[1, 2, 3], [4, 5, 6]], "startup_s": 1.0, "accept_length": [None, None],
@@ -168,8 +168,9 @@ def test_bf16_rows_pass_a_divergence_only_at_a_near_tie_of_the_plain_server(monk
         return post
 
     def row(top):
-        monkeypatch.setattr(server_exactness, "post_json", answer(top))
-        return compare(launch, server_pair(), bf16, Server("MFD", "MFD", 16), parted, plain, 3, plain_server=object())
+        monkeypatch.setattr(check_servers, "post_json", answer(top))
+        return compare(launch, server_pair(), bf16, Server("MFD", "MFD", 16), parted, plain, 3,
+                       plain_server=lambda: object())
 
     tie = row([[-0.60, 5, None], [-0.60 - NEAR_TIE_NATS / 2, 9, None]])
     assert tie["ok"] and tie["near_ties"][0] == {"at": 1, "tokens": [5, 9], "top2": [5, 9],
@@ -183,7 +184,7 @@ def test_bf16_rows_pass_a_divergence_only_at_a_near_tie_of_the_plain_server(monk
 def test_the_near_tie_question_reads_a_real_plain_servers_top_logprobs(plain_server, tiny_pair):
     """`near_tie` against a real SGLang server: the plain server's own second choice after a prefix is a
     divergence it explains exactly when the gap is within NEAR_TIE_NATS."""
-    from server_exactness import NEAR_TIE_NATS, Launch, ServerLogs, near_tie
+    from mfd_sglang.check.servers import NEAR_TIE_NATS, Launch, ServerLogs, near_tie
     from servers import generate_ids, post_json
 
     prompt = [3, 4, 5, 6]
@@ -202,7 +203,7 @@ def test_the_near_tie_question_reads_a_real_plain_servers_top_logprobs(plain_ser
 def test_round_cost_of_a_server_is_its_time_per_round_in_plain_decode_steps():
     """Two requests alone on each server: plain 10 + 30 tokens in 1 + 3 s (0.1 s a step); the speculative
     server the same 40 tokens in 10 rounds and 2 s (0.2 s a round): 2 steps a round, 2x plain, 4 tokens a round."""
-    from server_exactness import round_cost
+    from mfd_sglang.check.servers import round_cost
 
     plain = [{"seconds": 1.0, "tokens": 10, "rounds": 10}, {"seconds": 3.0, "tokens": 30, "rounds": 30}]
     spec = [{"seconds": 0.5, "tokens": 10, "rounds": 3}, {"seconds": 1.5, "tokens": 30, "rounds": 7}]
@@ -214,7 +215,7 @@ def test_the_automatic_budget_row_requires_a_verify_graph_for_every_budget_withi
     """With CUDA graphs on, the automatic-budget server's row passes only when its start-up log listed a
     tree-verify graph for every candidate budget's window (B = 16: 0, 4, 8, 16 -> 1, 5, 9, 17 tokens) and
     the memory the extra windows took is more than nothing and within what the launch plan counted."""
-    from server_exactness import AUTO, Server, ServerConfig, compare
+    from mfd_sglang.check.servers import AUTO, Server, ServerConfig, compare
 
     plain = {"ids": [[1, 2, 3]], "startup_s": 1.0, "accept_length": [None], "fallback_to_triton_logged": False,
              "log_events": []}
@@ -239,7 +240,7 @@ def test_the_server_log_gives_the_verify_graph_widths_and_memory(tmp_path, monke
     launch plan's warning under a given --mem-fraction-static)."""
     import logging
 
-    import server_exactness
+    from mfd_sglang.check import servers as check_servers
     from mfd_sglang.serving.memory import MemoryPlan, reserve_in_mem_fraction
     from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth
 
@@ -277,17 +278,17 @@ def test_the_server_log_gives_the_verify_graph_widths_and_memory(tmp_path, monke
         def stop(self):
             pass
 
-    monkeypatch.setattr(server_exactness, "start_server", lambda *a, **k: Server())
-    monkeypatch.setattr(server_exactness, "generate_all", lambda launch, server, prompts, n: [([1, 2], {})])
-    out = server_exactness.serve(None, server_pair(), server_exactness.ServerConfig("float32", True, None, ""),
-                                 server_exactness.Server("MFD_D", "MFD_D", 16), "test", 2)
+    monkeypatch.setattr(check_servers, "start_server", lambda *a, **k: Server())
+    monkeypatch.setattr(check_servers, "generate_all", lambda launch, server, prompts, n: [([1, 2], {})])
+    out = check_servers.serve(None, server_pair(), check_servers.ServerConfig("float32", True, None, ""),
+                              check_servers.Server("MFD_D", "MFD_D", 16), "test", 2)
     assert out["verify_graph_widths"] == [1, 5, 9, 17]
     assert out["verify_graph_mib"] == {"measured": 0, "planned": 2126}
 
 
 @pytest.mark.parametrize("dtype,want", [("float32", "triton"), ("bfloat16", None)])
 def test_server_groups_name_their_attention_backend(dtype, want):
-    from server_exactness import attention_choice
+    from mfd_sglang.check.servers import attention_choice
 
     backend, why = attention_choice(dtype)
     assert backend in ("triton", "flashinfer") and why
@@ -299,8 +300,8 @@ def test_a_server_starts_in_its_log_folder_never_the_repository_root(tmp_path, m
     """`python -m` puts the working directory first on sys.path: a server started in the repository root
     would import the source folder `mfd_sglang/` (no patches/, no kernels/) instead of the installed
     plugin. The GPU check's servers start in their log folder."""
-    import server_exactness
-    from server_exactness import Launch, ServerConfig, ServerLogs, start_server
+    from mfd_sglang.check import servers as check_servers
+    from mfd_sglang.check.servers import Launch, ServerConfig, ServerLogs, start_server
 
     started = {}
 
@@ -311,13 +312,13 @@ def test_a_server_starts_in_its_log_folder_never_the_repository_root(tmp_path, m
         def start(self):
             return self
 
-    monkeypatch.setattr(server_exactness, "ServerProcess", Process)
+    monkeypatch.setattr(check_servers, "ServerProcess", Process)
     launch = Launch("cpu", time.time() + 600, tmp_path, ServerLogs(None))
-    start_server(launch, server_pair(), ServerConfig("float32", False, None, ""), server_exactness.PLAIN, "g")
+    start_server(launch, server_pair(), ServerConfig("float32", False, None, ""), check_servers.PLAIN, "g")
     assert started["cwd"] == tmp_path and Path(started["cwd"]).resolve() != REPO
     with pytest.raises(TimeoutError, match="deadline"):  # nothing starts past the call's deadline
         start_server(Launch("cpu", time.time() + 20, tmp_path, ServerLogs(None)), server_pair(),
-                     ServerConfig("float32", False, None, ""), server_exactness.PLAIN, "g")
+                     ServerConfig("float32", False, None, ""), check_servers.PLAIN, "g")
 
 
 def test_closed_loop_compares_auto_with_ar_and_the_best_fixed_budget():

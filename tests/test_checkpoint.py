@@ -435,7 +435,7 @@ def test_mismatch_is_a_checkpoint_error(tmp_path, case):
 
 def test_valid_variants_of_the_bad_cases_load(tmp_path):
     """The edits above fail for their values, not for the kind of edit: nearby values load."""
-    raw = zlab_config(layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+    raw = zlab_config(layer_types=["sliding_attention", "full_attention"], sliding_window=4, use_sliding_window=True,
                       rope_scaling={"rope_type": "default"}, mfd_config={"num_modes": 4, "default_mode": 3})
     weights = mfd_weights(raw, num_modes=4)
     weights["draft_vocab"] = torch.tensor([0, 7, VOCAB - 1], dtype=torch.int64)

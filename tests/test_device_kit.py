@@ -254,7 +254,7 @@ def test_the_device_call_registers_the_installed_plugin(device_call):
 
 
 def test_the_device_calls_servers_speculate_and_emit_the_plain_servers_tokens(device_call):
-    from server_exactness import TINY_ACCEPT_BOUNDS
+    from mfd_sglang.check.servers import TINY_ACCEPT_BOUNDS
 
     report = device_call["report"]
     tiny = rows(report, "servers_tiny")

@@ -1,4 +1,4 @@
-"""Every command in README.md and docs/*.md is checked against the program it names, fast (one subprocess).
+"""Every command in README.md, docs/**/*.md and scripts/README.md is checked against the program it names, fast (one subprocess).
 
 Commands are taken from every fenced code block tagged bash / sh / shell / console (backslash continuations
 joined, `# comments` dropped, `NAME=value` lines kept as variables for later lines of the block, `$(...)`
@@ -11,8 +11,9 @@ line (`&&`, `||`, `;`, `|`) is checked by its program:
   by `load_plugins()`, and `from_cli_args`, which refuses `--mfd-*` flags on a server without MFD); the CPU
   launcher's defaults applied first, as it does;
 - `python -m mfd_sglang SUBCOMMAND` (and `mfd-sglang`): `mfd_sglang.cli.build_parser()`;
-- `python benchmarks/X.py`, `python scripts/X.py`: the script run as `__main__` until its own
-  `ArgumentParser.parse_args`, which is stopped right after parsing (nothing else of the script runs);
+- `python benchmarks/X.py`, `python scripts/X.py` and the modules of `MODULES` (`python -m
+  sglang.benchmark.serving`): the script or module run as `__main__` until its own
+  `ArgumentParser.parse_args`, which is stopped right after parsing (nothing else of it runs);
 - `bash scripts/X.sh`: the script exists; `demo.sh`'s arguments through `mfd_sglang demo`'s parser,
   `gpu_check.sh`'s through `benchmarks/gpu_check.py`'s, `test.sh`'s as pytest paths; any other script's
   options and words must be ones its text handles, and an environment variable set before it one it reads;
@@ -40,11 +41,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "scripts" / "README.md"]
 PLACEHOLDER = "/tmp/mfd-docs-placeholder"
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 PYTHONS = {"python", "python3", ".venv/bin/python"}
 COMMAND_START = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:python3?|\.venv/bin/python|sglang|bash|pip|mfd-sglang|hf|pytest)\s")
+
+# Modules run with `python -m` whose own argparse parser checks their arguments, and why they are documented.
+MODULES = {
+    "sglang.benchmark.serving": "SGLang's serving benchmark, the README's A/B against DFLASH",
+}
 
 # Programs a documented command may run that this test does not parse, and why.
 ALLOWED = {
@@ -216,6 +222,7 @@ class Parsed(Exception):
 
 
 original_parse_args = argparse.ArgumentParser.parse_args
+MODULE_FLAGS = set()
 
 
 def stop_after_parsing(self, args=None, namespace=None):
@@ -243,19 +250,26 @@ def check(job):
                 if argv and argv[0] in subparsers:
                     return unabbreviated(argv[1:], set(subparsers[argv[0]]._option_string_actions))
                 return None
-            if kind == "script":
-                script = Path(job["path"]).resolve()
-                sys.argv = [str(script), *argv]
-                sys.path.insert(0, str(script.parent))
+            if kind in ("script", "module"):
+                script = Path(job["path"]).resolve() if kind == "script" else None
+                sys.argv = [str(script) if script else job["module"], *argv]
+                if script:
+                    sys.path.insert(0, str(script.parent))
                 argparse.ArgumentParser.parse_args = stop_after_parsing
                 try:
-                    runpy.run_path(str(script), run_name="__main__")
+                    if script:
+                        runpy.run_path(str(script), run_name="__main__")
+                    else:
+                        runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
                 except Parsed as done:
+                    if not script:  # inline flags of the module's (`--max-concurrency 8`) are known flags too
+                        MODULE_FLAGS.update(done.parser._option_string_actions)
                     return unabbreviated(argv, set(done.parser._option_string_actions))
                 finally:
                     argparse.ArgumentParser.parse_args = original_parse_args
-                    sys.path.remove(str(script.parent))
-                return "the script ended without parsing its arguments with argparse"
+                    if script:
+                        sys.path.remove(str(script.parent))
+                return f"the {kind} ended without parsing its arguments with argparse"
             return f"unknown kind {kind}"
     except SystemExit as e:
         if e.code in (0, None):  # --help
@@ -266,7 +280,8 @@ def check(job):
 
 
 jobs = json.loads(sys.argv[1])
-print("RESULTS " + json.dumps({"errors": [check(job) for job in jobs], "sglang_flags": sorted(SGLANG_FLAGS),
+errors = [check(job) for job in jobs]
+print("RESULTS " + json.dumps({"errors": errors, "sglang_flags": sorted(SGLANG_FLAGS), "module_flags": sorted(MODULE_FLAGS),
                                 "cli_flags": sorted({f for p in subparsers.values() for f in p._option_string_actions})}))
 """
 
@@ -317,6 +332,8 @@ def local_check(cmd: Command, jobs: list) -> str | None:
             return check_pytest_args(args)
         elif module == "pip":
             return check_pip(args)
+        elif module in MODULES:
+            jobs.append((cmd, {"kind": "module", "module": module, "argv": args}))
         else:
             return f"python -m {module}: no check for this module (add one, or add it to ALLOWED with the reason)"
         return None
@@ -383,7 +400,8 @@ def check_bash_script(cmd: Command, args: list[str], jobs: list) -> str | None:
 
 @lru_cache(maxsize=1)
 def checked() -> tuple[list[tuple[Command, str]], set[str]]:
-    """(every failing command with why, every flag SGLang's parser and the project's CLI know)."""
+    """(every failing command with why, every flag SGLang's parser, the project's CLI and the checked modules
+    know)."""
     failures, jobs = [], []
     for cmd in documented_commands():
         problem = local_check(cmd, jobs)
@@ -396,7 +414,7 @@ def checked() -> tuple[list[tuple[Command, str]], set[str]]:
     assert proc.returncode == 0 and line, f"the parsing probe failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     results = json.loads(line[len("RESULTS "):])
     failures += [(cmd, error) for (cmd, _), error in zip(jobs, results["errors"]) if error]
-    return failures, set(results["sglang_flags"]) | set(results["cli_flags"])
+    return failures, set(results["sglang_flags"]) | set(results["cli_flags"]) | set(results["module_flags"])
 
 
 # --- tests -------------------------------------------------------------------------------------------------
@@ -471,7 +489,7 @@ def test_every_relative_link_resolves():
 
 def test_readme_is_short_and_carries_the_ci_test_command():
     readme = (REPO / "README.md").read_text()
-    assert len(readme.splitlines()) <= 220
+    assert len(readme.splitlines()) <= 310  # the user guide: install, drafters, first GPU run, failures, memory
     ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.strip().startswith("bash scripts/")]
     readme_commands = {" ".join(c.argv) for c in documented_commands() if c.doc.name == "README.md"}
     assert ci and all(c in readme_commands for c in ci), (ci, sorted(readme_commands))

@@ -1,5 +1,6 @@
 """The round's fused Triton steps (`kernels/norm_rope.py`, `kernels/residual_mlp.py`, `kernels/block_input.py`,
-`kernels/commit_rows.py`) against the torch path they replace, on random inputs: each kernel alone (float32 /
+`kernels/commit_rows.py`) against the torch path they replace, on random inputs: each kernel alone (the first
+three through the self-check's own comparisons, `mfd_sglang.check.kernels`, at these shapes; float32 /
 bfloat16 / float16; norm + rope at head dims 8 / 48 / 128, queries and keys or keys alone under stacked
 per-layer weights, positions up to 32K; residual add + RMSNorm and SiLU x up at widths that are and are not
 powers of two; the block input with shared and per-request modes, one mode or several; the commit's rows at
@@ -17,96 +18,39 @@ import torch
 
 from interpreted import main, run_cases
 from mfd_sglang.cuda_graph import host_syncs_raise
-from mfd_sglang.drafter import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from mfd_sglang.check.kernels import TOLERANCE
+from mfd_sglang.drafter import rope_inv_freq
 from references import HIDDEN, VOCAB, inputs, make_drafter
 
-# The kernels round once, the torch path after every step: they agree to a few units of the dtype's rounding.
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=6e-2, rtol=3e-2),
-             torch.float16: dict(atol=8e-3, rtol=4e-3)}
+
+def assert_rows_ok(rows) -> None:
+    rows = list(rows)
+    assert rows and all(row.get("ok") for row in rows), [row for row in rows if not row.get("ok")]
 
 
 def case_norm_rope(device="cpu"):
-    from mfd_sglang.kernels.norm_rope import norm_rope_
+    from mfd_sglang.check.kernels import norm_rope_rows
 
-    gen = torch.Generator().manual_seed(0)
-    theta, eps = 1e6, 1e-6
-    for dtype, dim, layers in [(torch.float32, 8, 1), (torch.float32, 48, 3), (torch.bfloat16, 128, 5),
-                               (torch.float16, 128, 2)]:
-        bs, t, q_heads, kv_heads = 2, 7, 4, 2
-
-        def rand(*shape, scale=1.0, shift=0.0):
-            return (torch.randn(*shape, generator=gen) * scale + shift).to(device=device, dtype=dtype)
-
-        q, k = rand(bs, t, q_heads, dim, scale=3.0), rand(bs, t, layers * kv_heads, dim, scale=3.0)
-        q_weight, k_weight = rand(dim, scale=0.2, shift=1.0), rand(layers, dim, scale=0.2, shift=1.0)
-        positions = torch.randint(0, 32768, (bs, t), generator=gen).to(device)
-        cos, sin = rope_cos_sin(positions, dim, theta, dtype)
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        want_q = apply_rope(rms_norm(q, q_weight, eps), cos, sin)
-        per_layer = k.view(bs, t, layers, kv_heads, dim)
-        want_k = apply_rope(rms_norm(per_layer, None, eps) * k_weight[:, None], cos[:, :, None], sin[:, :, None])
-        inv_freq = rope_inv_freq(dim, theta, device)
-        for with_q in (True, False):
-            got_q, got_k = q.clone(), k.clone()
-            with host_syncs_raise(device):
-                norm_rope_(got_q if with_q else None, q_weight, got_k, k_weight, positions, inv_freq, eps)
-            where = f"{dtype} head_dim {dim} layers {layers} with q {with_q}"
-            torch.testing.assert_close(got_k.view_as(want_k), want_k, **TOLERANCE[dtype], msg=where)
-            torch.testing.assert_close(got_q, want_q if with_q else q, **TOLERANCE[dtype], msg=where)
+    # (dtype, bs, T, q heads, kv heads, head dim, layers, rope theta, eps)
+    assert_rows_ok(norm_rope_rows(device, [(dtype, 2, 7, 4, 2, dim, layers, 1e6, 1e-6) for dtype, dim, layers in [
+        (torch.float32, 8, 1), (torch.float32, 48, 3), (torch.bfloat16, 128, 5), (torch.float16, 128, 2)]]))
 
 
 def case_residual_mlp(device="cpu"):
-    from mfd_sglang.kernels.residual_mlp import add_rms_norm, silu_mul
+    from mfd_sglang.check.kernels import residual_mlp_rows
 
-    gen = torch.Generator().manual_seed(1)
-    eps = 1e-6
-    for dtype, width in [(torch.float32, 48), (torch.bfloat16, 2560), (torch.float16, 1000)]:
-        def rand(*shape, scale=1.0, shift=0.0):
-            return (torch.randn(*shape, generator=gen) * scale + shift).to(device=device, dtype=dtype)
-
-        x, delta, weight = rand(3, 5, width), rand(3, 5, width, scale=0.5), rand(width, scale=0.2, shift=1.0)
-        with host_syncs_raise(device):
-            total, normed = add_rms_norm(x, delta, weight, eps)
-            gate_up = rand(3, 5, 2 * width, scale=2.0)
-            product = silu_mul(gate_up)
-        where = f"{dtype} width {width}"
-        if dtype == torch.bfloat16 and device == "cpu":  # the interpreter rounds to bfloat16 toward zero
-            torch.testing.assert_close(total, x + delta, **TOLERANCE[dtype], msg=where)
-        else:
-            assert torch.equal(total, x + delta), where  # one rounding of the same sum
-        torch.testing.assert_close(normed, rms_norm(x + delta, weight, eps), **TOLERANCE[dtype], msg=where)
-        gate, up = gate_up.chunk(2, dim=-1)
-        torch.testing.assert_close(product, torch.nn.functional.silu(gate) * up, **TOLERANCE[dtype], msg=where)
+    # (dtype, rows, width, intermediate): widths that are and are not powers of two
+    assert_rows_ok(residual_mlp_rows(device, [(torch.float32, 15, 48, 48), (torch.bfloat16, 15, 2560, 2560),
+                                              (torch.float16, 15, 1000, 1000)]))
 
 
 def case_block_input(device="cpu"):
-    from mfd_sglang.kernels.block_input import block_input
+    from mfd_sglang.check.kernels import block_input_rows
 
-    gen = torch.Generator().manual_seed(2)
-    eps, mask_id, vocab = 1e-6, 7, 40
-    for dtype, width, bs, num_modes, block, per_request in [(torch.float32, 48, 3, 4, 5, False),
-                                                             (torch.bfloat16, 1000, 2, 1, 16, False),
-                                                             (torch.float16, 64, 2, 3, 4, True)]:
-        def rand(*shape, scale=1.0, shift=0.0):
-            return (torch.randn(*shape, generator=gen) * scale + shift).to(device=device, dtype=dtype)
-
-        embed, weight = rand(vocab, width), rand(width, scale=0.2, shift=1.0)
-        modes = rand(bs if per_request else 1, num_modes, width, scale=0.5)
-        roots = torch.randint(0, vocab, (bs,), generator=gen).to(device)
-        starts = torch.randint(0, 32768, (bs,), generator=gen, dtype=torch.int32).to(device)
-        with host_syncs_raise(device):
-            x, normed, positions = block_input(roots, starts, embed, modes, mask_id, weight, eps, block)
-        tokens = torch.full((bs, block), mask_id, device=device)
-        tokens[:, 0] = roots
-        want_x = (embed[tokens][:, None] + modes[:, :, None]).reshape(bs, num_modes * block, width)
-        where = f"{dtype} width {width} modes {num_modes} block {block}"
-        if dtype == torch.bfloat16 and device == "cpu":  # the interpreter rounds to bfloat16 toward zero
-            torch.testing.assert_close(x, want_x, **TOLERANCE[dtype], msg=where)
-        else:
-            assert torch.equal(x, want_x), where  # one rounding of the same sum
-        torch.testing.assert_close(normed, rms_norm(x, weight, eps), **TOLERANCE[dtype], msg=where)
-        want_positions = (starts[:, None].long() + torch.arange(block, device=device)).repeat(1, num_modes)
-        assert torch.equal(positions, want_positions), where
+    # (dtype, bs, modes, block, width, vocab, mask id), each with modes shared and per request
+    assert_rows_ok(block_input_rows(device, [(torch.float32, 3, 4, 5, 48, 40, 7),
+                                             (torch.bfloat16, 2, 1, 16, 1000, 40, 7),
+                                             (torch.float16, 2, 3, 4, 64, 40, 7)]))
 
 
 def case_commit_rows(device="cpu"):
@@ -133,12 +77,12 @@ def case_drafter(device="cpu"):
     block input kernel, K modes and the single-mode path) and its context keys, with the serving stage's
     fused steps and on torch: the same within float32 rounding."""
     for seed, bias in [(3, False), (4, True)]:
-        drafter = make_drafter(seed=seed, attention_bias=bias).to(device).join_projections()
+        drafter = make_drafter(seed=seed, attention_bias=bias).to(device)
         features, ctx_pos, block, block_pos = (t.to(device) for t in inputs(2, 9, seed=seed))
         embed = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(device)
         outputs = {}
         for backend in ("torch", "triton"):
-            drafter.kernel_backend = backend
+            drafter.join_projections(backend)
             with torch.no_grad(), host_syncs_raise(device if backend == "triton" else "cpu"):
                 context = drafter.context_kv(features, ctx_pos)
                 blocks = [drafter.block_hidden(block_pos[:, 0] % VOCAB, block_pos[:, 0], context, embed,
@@ -156,10 +100,13 @@ def test_interpreter_matches_torch() -> None:
     run_cases(__file__, CASES)
 
 
-def test_serving_backend_is_torch_on_cpu_and_refuses_cpu_tensors_without_interpreter() -> None:
+def test_joined_drafter_runs_the_given_backend_and_triton_refuses_cpu_tensors_without_interpreter() -> None:
     from mfd_sglang.kernels.norm_rope import norm_rope_
 
-    assert make_drafter().join_projections().kernel_backend == "torch"
+    assert make_drafter().join_projections().backend == "torch"
+    assert make_drafter().join_projections("triton").backend == "triton"
+    with pytest.raises(ValueError, match="backend 'cuda' is not one of 'torch', 'triton'"):
+        make_drafter().join_projections("cuda")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 is set: the CPU path is allowed")
     k = torch.zeros(1, 3, 2, 8)

@@ -1,8 +1,9 @@
 """The GPU cost ledger's deterministic checks (`mfd_sglang.gpu_ledger`; no GPU, no timing):
 
 - every Triton kernel of the project compiles for sm_90a and sm_80 at its serving shapes (Qwen3-4B, bs 1,
-  K = 8, B = 64) with no local memory (beyond today's recorded bytes, `SPILL_BARS`) and its shared memory
-  within the device's per-block limit;
+  K = 8, B = 64), and at the largest a launch allows (B = `MAX_BUDGET`, at bs 1 and `LARGEST_BS`), with no
+  local memory (beyond today's recorded bytes, `SPILL_BARS`) and its shared memory within the device's
+  per-block limit;
 - each stage of a round at the Qwen3-4B shapes launches at most its bar (`LAUNCH_BARS`): a regression bar
   that fails when, e.g., a per-chunk loop comes back;
 - the tree's two kernels issue at most their bars of instructions per warp scheduler (`ISSUED_BARS`: a warp's
@@ -23,6 +24,7 @@ import torch
 from mfd_sglang.gpu_cost import (SERIAL_LOOPS, SHARED_LIMIT, KernelTrace, by_stage, compile_kernel,
                                  fit_launch_floor, predicted_seconds, warp_instructions)
 from mfd_sglang.gpu_ledger import STAGES, Scenario, project_kernels, serving_launches, trace_worker_round
+from mfd_sglang.serving.options import MAX_BUDGET
 
 # Kernel launches per stage of one round at the Qwen3-4B shapes (bs 8, B = 64), at most: today's counts
 # (benchmarks/results/gpu-ledger-2026-12-07-block-input.md; the baseline's were draft 1350, commit 162, layout
@@ -31,8 +33,9 @@ LAUNCH_BARS = {
     "mfd": {"draft": 59, "tree": 2, "layout": 1, "verify_input": 2, "accept": 2, "commit": 9},
     "mfd_d": {"draft": 59, "tree": 2, "layout": 1, "verify_input": 2, "accept": 2, "commit": 9},
 }
-# Bytes of local memory that compiles have today, at most; every other compile has none. Register spills, and
-# (norm + rope) libdevice sin / cos's Payne-Hanek array (28 bytes, read past 105615 rad only), not a spill.
+# Bytes of local memory that compiles have today, at most, at the serving shapes and at the largest ones (their
+# launches do not depend on the budget); every other compile has none. Register spills, and (norm + rope)
+# libdevice sin / cos's Payne-Hanek array (28 bytes, read past 105615 rad only), not a spill.
 SPILL_BARS = {("_mode_attention_kernel", 80): 568, ("_norm_rope_kernel", 90): 32, ("_norm_rope_kernel", 80): 32}
 # Instructions one warp scheduler issues for a program of the tree's kernels at the 4B serving shapes (bs 1,
 # K = 8, B = 64), at most, on sm_90a and sm_80: today's counts (gpu-ledger-2026-12-06-tree) rounded up; the
@@ -42,6 +45,10 @@ ISSUED_BARS = {"_beam_kernel": 41_000, "_merge_select_kernel": 61_000}
 # (gpu-ledger-2026-12-06-short-keys) rounded up; its tiles ranked on int64 keys, 32 rows a program
 # (gpu-ledger-2026-12-06-fused-steps), issued ~297M.
 GRID_ISSUED_BARS = {"_vocab_top_kernel": 158_000_000, "_vocab_finish_kernel": 9_000_000}
+# The largest batch whose launches are compiled beside bs 1: SGLang's largest default decode CUDA-graph batch size
+# (512; MFD's default --max-running-requests is 48). Past the vocabulary's launch plan (its rows a program and
+# splits, which bs 1 and 512 bound from both sides) only the custom mask's lanes over the batch grow with bs.
+LARGEST_BS = 512
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +56,47 @@ def launches():
     return serving_launches()
 
 
+@pytest.fixture(scope="module")
+def largest_launches():
+    """Each distinct launch of every kernel at B = MAX_BUDGET, at bs 1 and LARGEST_BS (most are the same at both)."""
+    distinct = {}
+    for bs in (1, LARGEST_BS):
+        for launch in serving_launches(bs=bs, budget=MAX_BUDGET).values():
+            distinct.setdefault(launch.key(), launch)
+    return list(distinct.values())
+
+
 def test_every_kernel_has_a_serving_launch(launches):
     assert set(launches) == project_kernels()
 
 
+def over_resources(launches, arch: int) -> list[str]:
+    """Each launch's compile for sm_<arch> with more local memory than its SPILL_BARS or more shared memory
+    than the device's per-block limit, in words."""
+    failures = []
+    for launch in launches:
+        compiled = compile_kernel(launch, arch)
+        if compiled.local_bytes > SPILL_BARS.get((launch.name, arch), 0):
+            failures.append(f"{launch.name}: {compiled.local_bytes} bytes of spills ({compiled.registers} registers)")
+        if compiled.shared_bytes > SHARED_LIMIT[arch]:
+            failures.append(f"{launch.name}: {compiled.shared_bytes} bytes of shared memory > {SHARED_LIMIT[arch]}")
+    return failures
+
+
 @pytest.mark.parametrize("arch", [90, 80])
 def test_kernels_compile_without_spills_within_shared_memory(launches, arch):
-    failures = []
-    for name, launch in sorted(launches.items()):
-        compiled = compile_kernel(launch, arch)
-        if compiled.local_bytes > SPILL_BARS.get((name, arch), 0):
-            failures.append(f"{name}: {compiled.local_bytes} bytes of spills ({compiled.registers} registers)")
-        if compiled.shared_bytes > SHARED_LIMIT[arch]:
-            failures.append(f"{name}: {compiled.shared_bytes} bytes of shared memory > {SHARED_LIMIT[arch]}")
+    failures = over_resources(launches.values(), arch)
     assert not failures, f"sm_{arch}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_kernels_compile_at_the_largest_budget_and_batch(largest_launches, arch):
+    """The launch refuses budgets past MAX_BUDGET (`options.budget_from_num_draft_tokens`): at it every kernel
+    fits. Its new compiles (the tree's, the walks', the vocabulary's, the custom mask's) take ~35 s for sm_90a and
+    ~50 s for sm_80 on one core, the tree's beam and merge kernels most of it (docs/development.md, Budgets that
+    compile)."""
+    failures = over_resources(largest_launches, arch)
+    assert not failures, f"sm_{arch} at B = {MAX_BUDGET}: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize("arch", [90, 80])

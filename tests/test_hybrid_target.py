@@ -17,23 +17,16 @@ import concurrent.futures
 import os
 import random
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import target_greedy
-from mfd_sglang.lab.tiny import make_tiny
 from mfd_sglang.server_process import launch_command
 from servers import free_port, generate_ids, start
 
 MAX_NEW = 24
 SERVERS = {"MFD B=8": ("MFD", 8), "MFD_D auto": ("MFD_D", "auto")}
-
-
-@pytest.fixture(scope="module")
-def hybrid_pair(tmp_path_factory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("tiny_hybrid"), seed=0, num_modes=4, hybrid=True, log=lambda *a: None)
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,42 @@ def test_plan_grows_with_batch_and_budget():
     assert _plan(budget=128).verify_bytes(8) > plan.verify_bytes(8)
 
 
+def test_a_budget_schedule_plans_its_largest_round():
+    """Under the default budget schedule (`MemoryPlan.rounds`: what a round of n requests plays) the working
+    sets are those of the largest round of at most bs requests, not bs requests at the launch budget: at 48
+    requests MFD's schedule on Qwen3-4B shapes plays 32 nodes at most at 7 requests and plain decoding from
+    12 (tests/test_budget_schedule.py), so it plans that round, far below 48 x 65 verified tokens."""
+    import dataclasses
+
+    from mfd_sglang.serving.budget_schedule import BudgetSchedule, RoundModel
+
+    plan = _plan()
+    target = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936}
+    schedule = BudgetSchedule(RoundModel.of(parse_drafter_config(QWEN3_4B_DRAFTER), target), 64, 48)
+    scheduled = dataclasses.replace(plan, rounds=schedule.rounds())
+    per_round = [dataclasses.replace(plan, budget=schedule.budget(n), num_modes=plan.num_modes)
+                 for n in range(1, 49)]
+    largest = max(p.draft_bytes(n) + p.verify_bytes(n) for n, p in enumerate(per_round, start=1))
+    assert scheduled.extra_bytes(48) == plan.weight_bytes + largest
+    assert scheduled.largest_round(48)[0] == 7 and scheduled.largest_round(48)[1].budget == 32
+    assert scheduled.extra_bytes(48) < plan.extra_bytes(48) / 5
+    assert scheduled.extra_bytes(2) == plan.extra_bytes(2)  # budget 64 up to 3 requests
+    assert "the schedule's largest round of at most 48 requests (7 at budget 32)" in scheduled.describe(48)
+    assert dataclasses.replace(plan, budget=0).draft_bytes(48) == 0  # plain decoding drafts nothing
+
+
+def test_the_released_drafter_shapes_have_their_model_cards_parameter_counts():
+    """scripts/memory_plan.py (the README's memory at the defaults) plans the released drafters from their
+    shapes; the MFD cards state their parameter counts (1,049M for Qwen3-8B, 634M for Qwen3.5-4B), which
+    a wrong width, head shape, MLP or layer count in those shapes would miss."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from memory_plan import SHAPES, drafter_parameters
+
+    assert round(drafter_parameters(SHAPES["Qwen3-8B"], 8) / 1e6) == 1049
+    assert round(drafter_parameters(SHAPES["Qwen3.5-4B"], 8) / 1e6) == 634
+
+
 @pytest.mark.parametrize("bs", [1, 3])
 def test_planned_verify_memory_bounds_what_a_round_holds(bs):
     """One verify + accept round at B = 16 over Qwen3's vocabulary (151936), measured on CPU by the live

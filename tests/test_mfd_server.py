@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from conftest import reference_drafter, target_greedy
+from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.hf import SpeculativeGenerator
 from mfd_sglang.patches.request_checks import unsupported_request_features
 from mfd_sglang.server_process import launch_command, stream_then_abort
@@ -89,6 +90,20 @@ def test_server_runs_as_launched(server):
     info = requests.get(server.base_url + "/server_info", timeout=60).json()
     assert info["disable_overlap_schedule"] is (not server.overlap), info["disable_overlap_schedule"]
     assert info["page_size"] == server.page_size
+
+
+def test_server_info_reports_the_accept_length_from_the_first_rounds(server, hf_target, tiny_prompts):
+    """After the warmup and one 8-token request (fewer decode batches than SGLang's decode-log interval, 40,
+    before which SGLang alone leaves `avg_spec_accept_length` out: patches/accept_length_info.py), every
+    scheduler's state in /server_info carries the mean tokens per verify round so far: above 1 (the pair
+    accepts drafts) and at most the longest path a round emits (min(B, block - 1) accepted drafts + the
+    bonus token). Runs before this module's other generations, on each server."""
+    _, tok = hf_target
+    generate_ids(server, tok(tiny_prompts[0], add_special_tokens=False)["input_ids"], 8)
+    longest = min(server.spec.budget, load_drafter(server.spec.drafter).config.block_size - 1) + 1
+    states = requests.get(server.base_url + "/server_info", timeout=60).json()["internal_states"]
+    lengths = [state.get("avg_spec_accept_length") for state in states]
+    assert states and all(length is not None and 1 < length <= longest for length in lengths), (lengths, longest)
 
 
 def test_generate_equals_greedy(server, hf_target, tiny_prompts):
@@ -254,7 +269,7 @@ def test_refused_request_features_get_a_400_that_names_them(mfd_d_server, featur
 
 # --- launch-time errors -----------------------------------------------------------------------------
 BAD_LAUNCHES = ["missing drafter", "hub id not cached", "wrong target", "wrong hub target", "budget",
-                "pipeline parallelism", "attention backend", "lora"]
+                "pipeline parallelism", "attention backend", "lora", "triton kernels without CUDA"]
 
 
 def bad_launch(case: str, tiny_pair: Path, hf_cache: Path) -> tuple[list[str], str]:
@@ -279,6 +294,8 @@ def bad_launch(case: str, tiny_pair: Path, hf_cache: Path) -> tuple[list[str], s
         extra, expected = ["--enable-lora"], "LoRA is only compatible with"
     elif case == "attention backend":  # no TARGET_VERIFY tree mask there
         extra, expected = ["--attention-backend", "torch_native"], "MFD on CPU needs --attention-backend mfd_cpu"
+    elif case == "triton kernels without CUDA":  # (the launch's env turns the Triton interpreter off)
+        extra, expected = ["--mfd-kernels", "triton"], "--mfd-kernels triton runs MFD's Triton kernels, which need a CUDA"
     return launch_command(target, port=free_port(), algorithm="MFD", drafter=drafter, dtype="float32",
                           extra_args=extra), expected
 
@@ -291,6 +308,8 @@ def bad_launches(tiny_pair, tmp_path_factory) -> dict[str, tuple[subprocess.Comp
         cache = tmp_path_factory.mktemp("hf_cache")
         cmd, expected = bad_launch(case, tiny_pair, cache)
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+        if case == "triton kernels without CUDA":  # the CPU launcher turns the interpreter on unless told
+            env["TRITON_INTERPRET"] = "0"
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO), expected
 
     with concurrent.futures.ThreadPoolExecutor(len(BAD_LAUNCHES)) as pool:

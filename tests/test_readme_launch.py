@@ -5,7 +5,7 @@ The `python -m sglang.launch_server ...` command of README.md's Launch section r
 where `./target` and `./drafter` are the make-tiny pair, with one flag added: `--port` (a free one). No
 test-only flag: the dtype, max running requests, context length and log level are what SGLang and MFD
 resolve at launch, beside the CPU launcher's documented defaults. Then the same launch with MFD_D and the
-options table's `--mfd-switch-threshold N` and `--mfd-num-modes K` as the table writes them. (The table's
+options table's `--mfd-switch-threshold N`, `--mfd-num-modes K` and `--mfd-kernels torch` as the table writes them. (The table's
 `--mfd-auto-budget` runs without --max-running-requests in test_auto_budget's server; `--mfd-mode-subsets`
 in test_mode_subsets_server's. `sglang serve` is SGLang's other entry point to the same launch: its flags
 are parsed in test_docs, it has no CPU launcher to start it here.)
@@ -13,7 +13,8 @@ are parsed in test_docs, it has no CPU launcher to start it here.)
 Checked: the server answers the OpenAI endpoints and /generate and speculates (the accept length is
 printed and bounded below), and the worker in the scheduler process runs what the launch resolved: its
 memory plan at MFD's 48 running requests, the same as the launch planned (and on a GPU reserves), tree
-budget 64 from `--speculative-num-draft-tokens 65`, and what
+budget 16 (the launch gives no `--speculative-num-draft-tokens`: MFD's CPU default, 17; on CUDA the default is
+the budget schedule, tests/test_budget_schedule.py), and what
 each option changes, seen in what ran (MFD_D's switch logged by the rounds that crossed it). Exact tokens
 are not asserted here: as written, SGLang serves the pair's float32 checkpoint in float16 (`--dtype auto`),
 whose tree verify and one-token decode may round apart; the float32 servers (test_mfd_server and the others)
@@ -34,7 +35,7 @@ from servers import free_port, log_tail, post_json, served_without_leaks, start
 from test_docs import documented_commands
 
 MAX_NEW = 32
-MIN_MEAN_ACCEPT = 3.0  # tokens per verify round, float16 here (float32 at B = 16 accepts 4.5-6.3: server_exactness)
+MIN_MEAN_ACCEPT = 3.0  # tokens per verify round, float16 here (float32 at B = 16 accepts 4.5-6.3: mfd_sglang.check.servers)
 
 
 def readme_launch() -> list[str]:
@@ -66,7 +67,8 @@ def with_flags(argv: list[str], **flags) -> list[str]:
 
 LAUNCHES = {
     "as-written": {},
-    "mfd_d-options": {"speculative_algorithm": "MFD_D", "mfd_switch_threshold": "2", "mfd_num_modes": "2"},
+    "mfd_d-options": {"speculative_algorithm": "MFD_D", "mfd_switch_threshold": "2", "mfd_num_modes": "2",
+                      "mfd_kernels": "torch"},
 }
 
 
@@ -110,7 +112,7 @@ def test_the_launch_serves_and_speculates(readme_server, tiny_prompts):
 
 def test_the_scheduler_runs_what_the_launch_resolved(readme_server, tiny_prompts):
     """The worker's own lines in the scheduler process: 48 running requests (MFD's default, resolved at launch
-    in another process), budget 64, and for MFD_D the options: 2 modes drafted, the single-mode path taken by
+    in another process), budget 16 (the CPU default), and for MFD_D the options: 2 modes drafted, the single-mode path taken by
     the rounds of 2 or more running requests (the concurrent requests above) and left at fewer."""
     info = requests.get(readme_server.base_url + "/server_info", timeout=60).json()
     assert info["max_running_requests"] == 48 and info["context_length"] is None, info
@@ -124,10 +126,13 @@ def test_the_scheduler_runs_what_the_launch_resolved(readme_server, tiny_prompts
     worker = re.search(rf"{algorithm} worker: drafter \./drafter \(\d+ layer\(s\), K = (\d+) mode\(s\).*?, tree "
                        r"budget (\d+), single-mode switch at (\w+) running requests", log)
     assert worker, log_tail(readme_server.log_path)
+    kernels = re.search(r"kernels (\w+) \(--mfd-kernels (\w+)\)", log)
+    assert kernels, log_tail(readme_server.log_path)
+    assert kernels.groups() == ("torch", "auto" if readme_server.launch == "as-written" else "torch"), kernels.group(0)
     if readme_server.launch == "as-written":
-        assert worker.groups() == ("4", "64", "never"), worker.group(0)
+        assert worker.groups() == ("4", "16", "never"), worker.group(0)
         assert "switching to the" not in log
     else:
-        assert worker.groups() == ("2", "64", "2"), worker.group(0)
+        assert worker.groups() == ("2", "16", "2"), worker.group(0)
         switches = re.findall(r"MFD_D: (\d+) running requests, switching to the (\S+) path", log)
         assert switches and all((int(n) >= 2) == (path == "single-mode") for n, path in switches), switches

@@ -128,7 +128,7 @@ def test_speculative_rounds_emit_the_targets_greedy_tokens():
     expected = greedy(target, prompt, rounds * block + 1)
 
     drafter = random_drafter(CFG, target.feature_layers, 4, seed=5, device="cpu", dtype=torch.float32)
-    spec = SpecRound(target, drafter, budget=budget, single_mode=False, tree_backend="torch")
+    spec = SpecRound(target, drafter, budget=budget, single_mode=False, backend="torch")
     roots, cache_lens = spec.prefill(prompt)
     graphs = capture_round(spec, roots, cache_lens, use_graph=False)
     emitted = [[int(r)] for r in roots]
@@ -187,7 +187,7 @@ def test_graph_check_sees_every_stage_including_the_commits_writes():
     bs = 2
     target = make_target(bs, 16 + 65 + 1)
     drafter = random_drafter(CFG, target.feature_layers, 2, seed=2, device="cpu", dtype=torch.float32)
-    spec = SpecRound(target, drafter, budget=64, single_mode=False, tree_backend="torch")
+    spec = SpecRound(target, drafter, budget=64, single_mode=False, backend="torch")
     roots, cache_lens = spec.prefill(prompts(bs, 16))
 
     def round_graphs():

@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
-from mfd_sglang.serving.options import budget_from_num_draft_tokens, default_num_draft_tokens, read_options
+from mfd_sglang.serving.options import (MAX_BUDGET, budget_from_num_draft_tokens, default_num_draft_tokens,
+                                        read_options)
 from mfd_sglang.patches.request_checks import unsupported_request_features
 from servers import resolve
 
@@ -48,7 +50,7 @@ def _server_args(tiny_pair, **changes):
                 speculative_draft_model_path=str(tiny_pair / "drafter"), speculative_num_draft_tokens=9,
                 page_size=1, pp_size=1, tp_size=1, dp_size=1, enable_dp_attention=False,
                 disaggregation_mode="null", enable_hierarchical_cache=False,
-                speculative_draft_window_size=None, speculative_adaptive=False)
+                speculative_draft_window_size=None, speculative_adaptive=False, device="cpu")
     args.update(changes)
     return SimpleNamespace(**args)
 
@@ -78,17 +80,24 @@ def test_validate_server_args(tiny_pair, changes, message):
             validate_server_args(args)
 
 
-def test_the_launch_says_what_it_changes_and_refuses_8_bit_kv_caches(tiny_pair):
+def test_the_launch_says_what_it_changes_and_refuses_8_bit_kv_caches_and_larger_budgets(tiny_pair):
     """On SGLang's real argument parsing and resolution: every flag MFD sets or overrides is a warning naming it
     (as SGLang's DFLASH warns for the same ones); an 8-bit target or draft KV cache dtype is refused naming the
-    flag (the drafter's context pool would not be in it); a bf16 one is served."""
+    flag (the drafter's context pool would not be in it); a bf16 one is served. A budget at the maximum that
+    README's options table and docs/serving.md state, MAX_BUDGET (the largest at which every Triton kernel
+    compiles: tests/test_gpu_ledger.py), is served, one past it refused naming the maximum."""
+    documented = {path: re.findall(r"1 <= B <= (\d+)", (REPO / path).read_text())
+                  for path in ("README.md", "docs/serving.md")}
+    assert all(found == [str(MAX_BUDGET)] for found in documented.values()), documented
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each resolution imports SGLang, on one core
         first = pool.submit(resolve, tiny_pair, [], with_log=True)
         second = pool.submit(resolve, tiny_pair, ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
                                                   "--enable-mixed-chunk", "--max-running-requests", "8",
                                                   "--speculative-num-draft-tokens", "9"], with_log=True)
-        kv_caches = pool.submit(resolve, tiny_pair, ["--kv-cache-dtype", "fp8_e4m3"],
-                                ["--speculative-draft-kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "bf16"])
+        refusals = pool.submit(resolve, tiny_pair, ["--kv-cache-dtype", "fp8_e4m3"],
+                               ["--speculative-draft-kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "bf16"],
+                               ["--speculative-num-draft-tokens", str(MAX_BUDGET + 1)],
+                               ["--speculative-num-draft-tokens", str(MAX_BUDGET + 2)])
     [plain], defaults = first.result()
     assert "error" not in plain, plain
     assert "speculative_num_draft_tokens is not set; defaulting to 17 for MFD" in defaults, defaults[-3000:]
@@ -100,10 +109,13 @@ def test_the_launch_says_what_it_changes_and_refuses_8_bit_kv_caches(tiny_pair):
                  "overriding --enable-mixed-chunk to off"):
         assert said in log, (said, log[-3000:])
     assert "Max running requests is reset" not in log and "is not set; defaulting" not in log, log[-3000:]
-    target, draft, bf16 = kv_caches.result()
+    target, draft, bf16, at_most, past = refusals.result()
     assert "--kv-cache-dtype fp8_e4m3: MFD keeps the drafter's context in the model dtype" in target.get("error", "")
     assert "--speculative-draft-kv-cache-dtype fp8_e5m2: MFD keeps" in draft.get("error", ""), draft
     assert "error" not in bf16, bf16
+    assert "error" not in at_most, at_most
+    assert (f"--speculative-num-draft-tokens {MAX_BUDGET + 2} gives MFD a tree budget of {MAX_BUDGET + 1} nodes; it "
+            f"must be between 1 and {MAX_BUDGET}") in past.get("error", ""), past
 
 
 def test_mfd_options_are_sglang_flags(tiny_pair, tmp_path):
@@ -112,20 +124,21 @@ def test_mfd_options_are_sglang_flags(tiny_pair, tmp_path):
     the flag, and refused on a server that does not run MFD (a real CPU server reads them: the automatic-budget
     and MFD_D server tests pass them as flags)."""
     config = tmp_path / "mfd.yaml"
-    config.write_text("mfd-num-modes: 2\nmfd-switch-threshold: 5\nmfd-mode-subsets: off\n")
+    config.write_text("mfd-num-modes: 2\nmfd-switch-threshold: 5\nmfd-mode-subsets: off\nmfd-kernels: torch\n")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each imports SGLang, on one core
         resolved = pool.submit(
             resolve, tiny_pair, ["--config", str(config)],
-            ["--mfd-num-modes", "2", "--mfd-switch-threshold", "5", "--mfd-mode-subsets", "off"],
+            ["--mfd-num-modes", "2", "--mfd-switch-threshold", "5", "--mfd-mode-subsets", "off", "--mfd-kernels", "torch"],
             ["--mfd-num-modes", "9"], ["--mfd-auto-budget", "--mfd-switch-threshold", "2"],
             ["--speculative-algorithm", "EAGLE", "--mfd-auto-budget"])
         help_text = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
                                    text=True, timeout=300, cwd=tmp_path).stdout
     assert "MFD speculative decoding (mfd_sglang plugin" in help_text, help_text[-2000:]
-    for flag in ("--mfd-switch-threshold", "--mfd-num-modes", "--mfd-auto-budget", "--mfd-mode-subsets"):
+    for flag in ("--mfd-switch-threshold", "--mfd-num-modes", "--mfd-auto-budget", "--mfd-mode-subsets", "--mfd-kernels"):
         assert flag in help_text, flag
     yaml, flags, too_many, both, plain = resolved.result()
-    assert yaml == flags and flags["mfd_options"] == {"num_modes": 2, "switch_threshold": 5, "mode_subsets": False}
+    assert yaml == flags and flags["mfd_options"] == {"num_modes": 2, "switch_threshold": 5, "mode_subsets": False,
+                                                      "kernels": "torch"}
     assert "--mfd-num-modes 9 but the drafter at" in too_many.get("error", ""), too_many
     assert "--mfd-auto-budget chooses MFD_D's drafting path itself; drop --mfd-switch-threshold 2" in \
         both.get("error", ""), both
@@ -523,6 +536,7 @@ DRAFT_STAGE_BUDGET = 12
 def _draft_stage(tiny_pair, device: str):
     """A DraftStage over the tiny drafter with random borrowed weights and a filled context pool, its
     requests' rows of req_to_token a random table (no SGLang model runner)."""
+    from mfd_sglang.backend import resolve_backend
     from mfd_sglang.serving.draft_stage import DraftStage
 
     drafter = MFDDrafter.from_checkpoint(load_drafter(tiny_pair / "drafter"), dtype=torch.float32).to(device)
@@ -530,7 +544,8 @@ def _draft_stage(tiny_pair, device: str):
     num_slots, max_len, vocab = 200, 40, drafter.cfg.vocab_size
     table = torch.stack([torch.randperm(num_slots, generator=gen)[:max_len] for _ in range(6)]).to(device)
     stage = DraftStage(drafter, torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device),
-                       torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device), device=device)
+                       torch.randn(vocab, drafter.cfg.hidden_size, generator=gen).to(device),
+                       backend=resolve_backend("auto", device))
     stage.init_context_pool(num_slots, SimpleNamespace(req_to_token=table.to(torch.int32)), device=device,
                             dtype=torch.float32)
     stage.write_context(torch.randn(num_slots, drafter.fc.in_features, generator=gen).to(device),

@@ -127,7 +127,7 @@ def test_cpu_without_interpreter_raises() -> None:
     tree = random_tree(0, 1, 2, 3, 4, 5)
     with pytest.raises(ValueError, match="CUDA tensors or TRITON_INTERPRET=1"):
         accept_path(tree, torch.zeros(1, 6, dtype=torch.int64), backend="triton")
-    with pytest.raises(ValueError, match="backend must be"):
+    with pytest.raises(ValueError, match="backend 'cuda' is not one of 'torch', 'triton'"):
         tree_to_verify_layout(tree, torch.zeros(1), torch.zeros(1), backend="cuda")
 
 

@@ -176,7 +176,7 @@ def test_interpreter_matches_torch() -> None:
 
 
 def test_unknown_backend_is_refused() -> None:
-    with pytest.raises(ValueError, match="'bogus' is not available"):
+    with pytest.raises(ValueError, match="backend 'bogus' is not one of 'torch', 'triton'"):
         vocab_candidates(torch.zeros(2, 4), torch.zeros(5, 4), 3, backend="bogus")
 
 

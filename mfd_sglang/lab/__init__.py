@@ -5,7 +5,8 @@
 - ``train_data``: the target's own greedy answers to the training prompts (resumable JSONL);
 - ``train``: DFlash-style block training with K modes (D-PACE, winner-take-all modes, resumable);
 - ``tiny``: make-tiny, a small target + drafter pair that agree (tests, demos);
-- ``multimodal``: make-multimodal, a universe with known futures, MFD against the exact ceiling;
+- ``multimodal``: make-multimodal, a universe with known futures, MFD against the exact ceiling (a package:
+  ``universe``, ``target``, ``evaluation``, ``command``);
 - ``evaluate``: acceptance of chain / DDTree / MFD per budget on held-out prompts (replayed against
   the target's own continuation).
 

@@ -64,10 +64,11 @@ def adjust_node_logits(logits: torch.Tensor, layout: VerifyLayout, penalties: Ou
 
 
 def accept_tree(tree: DraftTree, layout: VerifyLayout, logits: torch.Tensor, batch, seq_lens: torch.Tensor,
-                grammar_mask=None) -> tuple[TreeVerifyResult, torch.Tensor]:
+                grammar_mask=None, *, backend: str) -> tuple[TreeVerifyResult, torch.Tensor]:
     """The accepted path of each request's tree (root at position seq_lens) from the target's logits
     [bs * N, V] of its nodes, each adjusted as the plain server would after the node's path; also
-    returns those adjusted logits [bs, N, V] (float32), which the emitted tokens' outputs read."""
+    returns those adjusted logits [bs, N, V] (float32), which the emitted tokens' outputs read.
+    backend: the walk's (`verify.accept_path`)."""
     logits = logits.view(*layout.draft_token.shape, -1).float()
     penalties = output_penalties(batch.sampling_info)
     if penalties is not None:
@@ -75,9 +76,9 @@ def accept_tree(tree: DraftTree, layout: VerifyLayout, logits: torch.Tensor, bat
     if grammar_mask is not None:  # -inf where masked: the order with the finite adjustments does not matter
         grammar_mask.apply(logits.view(-1, logits.shape[-1]))
     if batch.sampling_info.is_all_greedy:
-        result = verify_tree_greedy(tree, logits)
+        result = verify_tree_greedy(tree, logits, backend)
     else:  # greedy requests in a mixed batch carry top_k = 1, which makes their sample the argmax
-        result = verify_tree_sampling(tree, logits, request_sampling(batch), seq_lens)
+        result = verify_tree_sampling(tree, logits, request_sampling(batch), seq_lens, backend)
     if penalties is not None:  # the accepted draft tokens; the bonus is the next round's root
         cumulate(penalties, result.accepted_tokens, result.accept_lens - 1)
     return result, logits

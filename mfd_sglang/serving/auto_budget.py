@@ -23,7 +23,7 @@ from mfd_sglang.verify import TreeVerifyResult, sub_budget_accept_lens
 
 from .budget import Arm, BudgetChooser, Path, RoundClock, describe_path
 from .calibration import DraftFn, VerifyFn, calibrate_round_costs
-from .verify_graph import MFDVerifyCudaGraphRunner, VerifyGraphsByWidth
+from .verify_graph import VerifyGraphsByWidth, verify_graphs_by_width
 
 
 class AutoBudget:
@@ -81,8 +81,7 @@ class AutoBudget:
     def capture_verify_graphs(self, model_runner) -> None:
         """The target's tree-verify graphs at every candidate window (SGLang captured the launch one's),
         when the target's decode graphs are MFD's tree-verify graphs (a GPU with CUDA graphs on)."""
-        if isinstance(model_runner.decode_cuda_graph_runner, MFDVerifyCudaGraphRunner):
-            self.verify_graphs = VerifyGraphsByWidth(model_runner, [b + 1 for b in self.chooser.budgets])
+        self.verify_graphs = verify_graphs_by_width(model_runner, self.chooser.budgets, "automatic budget")
 
     def calibrate(self, max_bs: int, row_len: int, *, draft: DraftFn, verify: VerifyFn) -> None:
         """Start-up costs of every arm (`calibration.calibrate_round_costs`), each verify on its window's

@@ -57,7 +57,7 @@ def commit_round(result: TreeVerifyResult, window_hidden: torch.Tensor, seq_lens
     width = min(drafter.cfg.block_size, window_slots.shape[1])  # root + the longest possible path
     # Rows past a request's accepted length land in slots it has reserved but not committed;
     # the round that commits those positions overwrites them.
-    if drafter.kernel_backend == "triton":  # the same in one launch
+    if drafter.backend == "triton":  # the same in one launch
         from mfd_sglang.kernels import commit_rows as fused
 
         path, hidden, positions = fused.commit_rows(result.accepted_local_indices, window_hidden, seq_lens, width)

@@ -3,15 +3,19 @@
 `DraftStage.tree(roots, seq_lens, req_pool_indices, max_len, arm)` drafts the block `[root, MASK...]`
 of every request for the arm's path (K modes, each request's K' best modes under the mode gate, or
 MFD_D's single mode), keeps each position's B best
-tokens (`MFDDrafter.block_candidates`: no [bs, K, D, V] tensor; on CUDA one fused lm_head + top-B kernel,
-`kernels/vocab_candidates.py`, elsewhere the torch reference in vocabulary chunks), builds
-the mixture tree of B nodes (`build_mixture_tree`: Triton on CUDA, torch elsewhere) and lays it out for
-SGLang's tree verify (`tree_to_verify_layout`). Budget 0 is plain decoding: no draft, the root alone.
+tokens (`MFDDrafter.block_candidates`: no [bs, K, D, V] tensor), builds the mixture tree of B nodes
+(`build_mixture_tree`) and lays it out for SGLang's tree verify (`tree_to_verify_layout`). Budget 0 is plain
+decoding: no draft, the root alone.
+
+Every step runs on the stage's `backend` (`mfd_sglang.backend`: resolved once per worker from
+--mfd-kernels and the device), which the drafter holds too (`MFDDrafter.join_projections`): "triton" (the
+fused lm_head + top-B, `kernels/vocab_candidates.py`; the tree kernel; the layout walk; the mode attention;
+the drafter's fused steps) or "torch" (the references: vocabulary in chunks, and so on).
 
 The drafter reads the committed context from `DraftContextPool` at the target's KV slots: in place
-(`paged`, mode attention: Triton on CUDA), or for drafters with sliding-window layers copied into a
-padded `DraftContext` (`gather`). On CUDA the in-place path has fixed shapes and replays as one CUDA
-graph per batch-size bucket and arm (`capture_graphs`).
+(`paged`, the mode attention), or for drafters with sliding-window layers copied into a padded
+`DraftContext` (`gather`). On CUDA the in-place path has fixed shapes and replays as one CUDA graph per
+batch-size bucket and arm (`capture_graphs`).
 
 The drafter borrows the target's embeddings and head (rows past the vocabulary are padding); with a draft
 vocabulary its rows of the head are copied once (`MFDDrafter.head_weight`). Under tensor parallelism both
@@ -42,24 +46,23 @@ logger = logging.getLogger(__name__)
 
 
 class DraftStage:
-    def __init__(self, drafter: MFDDrafter, embed_weight: torch.Tensor, head_weight: torch.Tensor, *, device):
-        self.drafter = drafter.join_projections()  # its joined products read the weights in place
+    def __init__(self, drafter: MFDDrafter, embed_weight: torch.Tensor, head_weight: torch.Tensor, *, backend: str):
+        # Its joined products read the weights in place; its own steps run on the stage's backend.
+        self.drafter = drafter.join_projections(backend)
+        self.backend = backend
         self.embed_weight, self.head_weight = embed_weight, head_weight
-        on_cuda = str(device).startswith("cuda")
-        self.tree_backend = "triton" if on_cuda else "torch"
-        self.vocab_backend = "triton" if on_cuda else "torch"
-        sliding = any(drafter.cfg.is_sliding(i) for i in range(drafter.cfg.num_hidden_layers))
-        self.mode_attention_backend = None if sliding else "triton" if on_cuda else "torch"
+        # Sliding-window layers need the padded copy of the context; every other drafter reads it in place.
+        self.paged = not any(drafter.cfg.is_sliding(i) for i in range(drafter.cfg.num_hidden_layers))
         self.context_pool: DraftContextPool | None = None  # once the target's KV pool exists
         self.req_to_token_pool = None  # SGLang's (request slot -> KV slot of each position), with it
         self.graphs: BatchGraphs | None = None
 
     @classmethod
     def for_target(cls, ckpt: DrafterCheckpoint, model_runner, *, fp8_linears: bool,
-                   num_modes: int | None) -> "DraftStage":
+                   num_modes: int | None, backend: str) -> "DraftStage":
         """The stage of drafter checkpoint `ckpt` on the target of `model_runner` (without a mode gate its
         first `num_modes` modes when set; with one, every mode stays: rounds choose theirs per request,
-        `Arm.modes`; fp8_linears: attention and MLP linears in e4m3)."""
+        `Arm.modes`; fp8_linears: attention and MLP linears in e4m3; backend: `mfd_sglang.backend`'s)."""
         device = model_runner.device
         drafter = MFDDrafter.from_checkpoint(ckpt, dtype=model_runner.model_config.dtype,
                                              fp8_linears=fp8_linears).to(device)
@@ -69,7 +72,7 @@ class DraftStage:
         embed_module = target.get_input_embeddings()
         embed = full_rows(embed_module)
         head = embed if target.lm_head.weight is embed_module.weight else full_rows(target.lm_head)
-        return cls(drafter, embed[:vocab], drafter.head_weight(head[:vocab]), device=device)
+        return cls(drafter, embed[:vocab], drafter.head_weight(head[:vocab]), backend=backend)
 
     @property
     def num_modes(self) -> int:
@@ -96,9 +99,11 @@ class DraftStage:
         self.context_pool.write(self.drafter, target_hidden, positions, slots)
 
     def capture_graphs(self, max_bs: int, arms: list[Arm]) -> None:
-        """CUDA graphs of draft + tree + layout of each drafted arm at every batch-size bucket up to max_bs
-        (only the in-place context in Triton has fixed shapes: other drafters draft eagerly)."""
-        if self.mode_attention_backend != "triton":
+        """CUDA graphs of draft + tree + layout of each drafted arm at every batch-size bucket up to max_bs, on
+        the "triton" backend with the in-place context: only that path has fixed shapes and no host sync
+        (the torch references size their tensors from the data; drafters with sliding-window layers need
+        the padded copy), so the others draft eagerly."""
+        if not (self.paged and self.backend == "triton"):
             return
         device = self.embed_weight.device
 
@@ -119,7 +124,7 @@ class DraftStage:
         self.context_pool.flush()  # a graph replay reads the pool's tensors directly
         if self.graphs is not None and seq_lens.shape[0] <= self.graphs.max_bs:
             return self.graphs(roots, seq_lens, req_pool_indices, key=arm)
-        if self.mode_attention_backend is not None:
+        if self.paged:
             return self.paged_tree(roots, seq_lens, req_pool_indices, key=arm)
         slots = self.req_to_token_pool.req_to_token[req_pool_indices.long()][:, :max_len].long()
         context = self.context_pool.gather(slots, seq_lens)
@@ -130,7 +135,7 @@ class DraftStage:
         """draft + tree + layout over the context read in place: fixed shapes, what the CUDA graphs replay
         (key: the arm, as `BatchGraphs` keys its graphs)."""
         context = self.context_pool.paged(self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens,
-                                          self.mode_attention_backend)
+                                          self.backend)
         return self.tree_of(self.candidates(roots, seq_lens, context, key), roots, seq_lens, key.budget)
 
     def candidates(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, arm: Arm) -> DraftCandidates:
@@ -141,19 +146,18 @@ class DraftStage:
                                                                        self.embed_weight, arm.modes)
         return self.drafter.block_candidates(roots, seq_lens, context, self.embed_weight, self.head_weight,
                                              arm.budget, single_mode=arm.single_mode, modes=modes,
-                                             backend=self.vocab_backend)
+                                             backend=self.backend)
 
     def tree_of(self, candidates: DraftCandidates, roots: torch.Tensor, seq_lens: torch.Tensor,
                 budget: int) -> tuple[DraftTree, VerifyLayout]:
         """The mixture tree (target token ids) of the candidates and its verify layout (fixed shapes)."""
-        tree = build_mixture_tree(candidates, budget, backend=self.tree_backend)
+        tree = build_mixture_tree(candidates, budget, backend=self.backend)
         tree.tokens = self.drafter.to_target_ids(tree.tokens)
         return self.with_layout(tree, roots, seq_lens)
 
-    @staticmethod
-    def with_layout(tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
+    def with_layout(self, tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
         """(tree, its SGLang verify layout under `roots` at positions seq_lens)."""
-        return tree, tree_to_verify_layout(tree, roots, seq_lens)
+        return tree, tree_to_verify_layout(tree, roots, seq_lens, self.backend)
 
 
 def full_rows(module) -> torch.Tensor:

@@ -9,7 +9,7 @@ SGLang hands a registered algorithm's callbacks its recording stand-in for `Serv
   a ValueError, whose message names the flag and the fix, for every configuration MFD cannot serve:
   `unsupported_configuration` (pipeline parallelism, attention data parallelism without
   --enable-dp-lm-head, PD disaggregation with attention DP, HiCache, ...), a target whose tree verify SGLang would get silently wrong (`target_checks.target_refusal`),
-  plugin options that do not fit, and a drafter that is missing (`check_drafter_path`: a local directory, or a
+  plugin options that do not fit (--mfd-kernels triton without CUDA: `mfd_sglang.backend`), and a drafter that is missing (`check_drafter_path`: a local directory, or a
   Hugging Face hub id resolved to its snapshot as SGLang resolves a hub model), or does not
   fit the target (`checkpoint.check_fits_target`, `check_capturable_layers`).
 - `resolve_server_args(server_args)`, the spec class's `handle_server_args`: fills the fields MFD
@@ -47,8 +47,11 @@ def resolve_server_args(server_args) -> None:
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = default_num_draft_tokens(server_args.device)
         logger.warning("speculative_num_draft_tokens is not set; defaulting to %d for MFD (a tree of %d draft "
-                       "tokens plus the root).", server_args.speculative_num_draft_tokens,
-                       server_args.speculative_num_draft_tokens - 1)
+                       "tokens plus the root%s).", server_args.speculative_num_draft_tokens,
+                       server_args.speculative_num_draft_tokens - 1,
+                       ", at most: on CUDA each round's budget follows its batch size, by the default schedule "
+                       "('MFD budget' below) or --mfd-auto-budget"
+                       if str(server_args.device).startswith("cuda") else "")
     # EAGLE's step/top-k knobs do not apply; generic accounting reads them, so pin them to 1 (saying so
     # when they were set otherwise, as SGLang's DFLASH does).
     for field in ("speculative_num_steps", "speculative_eagle_topk"):
@@ -182,6 +185,7 @@ def unsupported_configuration(server_args) -> list[str]:
 
 def validate_server_args(server_args) -> None:
     """Reject, at launch, every configuration MFD cannot serve; each message names the fix."""
+    from mfd_sglang.backend import resolve_backend
     from mfd_sglang.checkpoint import CheckpointError, check_fits_target, load_drafter
 
     from .options import budget_from_num_draft_tokens, draft_quantization, read_options
@@ -197,6 +201,7 @@ def validate_server_args(server_args) -> None:
     if refusal:
         raise ValueError(refusal)
     options = read_options(server_args)
+    resolve_backend(options.kernels, server_args.device)  # --mfd-kernels triton without CUDA is refused here
     if options.auto_budget and int(server_args.tp_size or 1) > 1:
         # Each rank would choose from its own round times: the ranks could verify different trees.
         raise ValueError(f"{options.spelled['auto_budget']} with --tp-size {server_args.tp_size}: the automatic "

@@ -18,11 +18,14 @@ token, which is exactly what `DraftContextPool` holds per KV slot). What it does
   verify working set the float32 target logits of the B + 1 verified tokens per request that the
                     accept step reads ([bs * N, V]; a copy when the target returns lower precision),
                     plus the per-node sampling work at T > 0 (`SAMPLING_BYTES_PER_ENTRY` per logit);
-  verify graphs     under the automatic budget with CUDA graphs, the attention backends of the
-                    candidate windows other than the launch one (`VerifyGraphPlan`).
+  verify graphs     where a round's budget varies (the automatic budget, the default schedule on CUDA:
+                    `budget_schedule.varying_budgets`) with CUDA graphs, the attention backends of its
+                    windows other than the launch one (`VerifyGraphPlan`).
 
 `MemoryPlan.extra_bytes(bs)` is their sum at batch bs: an upper bound of what the plugin allocates
-outside SGLang's plan, held against measured allocations by `benchmarks/draft_memory.py` (the draft) and
+outside SGLang's plan (under the default budget schedule on CUDA, `MemoryPlan.rounds`, the working sets are
+those of the largest round of at most bs requests at the budget and modes the schedule plays for it: the
+schedule shrinks the tree as the batch grows, so the largest round is far below bs requests at B), held against measured allocations by `benchmarks/draft_memory.py` (the draft) and
 `benchmarks/verify_memory.py` (the verify) and their tests.
 At launch (`reserve_in_mem_fraction`) it is taken out of SGLang's default `--mem-fraction-static` for
 `--max-running-requests`, so the KV pool leaves room for it; a fraction the user set is left alone
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mfd_sglang.checkpoint import DrafterConfig
 from mfd_sglang.drafter import VOCAB_CHUNK, VOCAB_SPLITS, VOCAB_TILE, fp8_linear_shapes, pow2
@@ -87,9 +90,14 @@ class MemoryPlan:
     # FP8 drafting: per block row, an FP8 linear's input quantized (a float32 copy and the e4m3 values)
     # and its float32 product (the unit-scale path), at the widest quantized linear; 0 unquantized
     fp8_bytes_per_row: int = 0
+    # Under a budget schedule, the (budget, modes) a round of n requests plays, n = 1, 2, ... (`rounds_of`);
+    # empty: every round drafts `num_modes` modes at `budget`.
+    rounds: tuple[tuple[int, int], ...] = ()
 
     def draft_bytes(self, bs: int) -> int:
-        """Upper bound of one draft + tree round's allocations at batch bs."""
+        """Upper bound of one draft + tree round's allocations at batch bs (none at budget 0: no draft)."""
+        if self.budget == 0:
+            return 0
         block_rows, draft_rows = bs * self.num_modes * self.block, bs * self.num_modes * (self.block - 1)
         count = min(self.budget, self.draft_vocab)
         chunk = min(self.vocab_chunk, self.draft_vocab)
@@ -112,17 +120,30 @@ class MemoryPlan:
         return (nodes * self.vocab * (FLOAT32 + SAMPLING_BYTES_PER_ENTRY) + nodes * SAMPLING_BYTES_PER_NODE
                 + INT64 * self.vocab)
 
+    def largest_round(self, bs: int) -> tuple[int, "MemoryPlan"]:
+        """(n, the plan of a round of n requests at a fixed budget) of the round of at most bs requests whose
+        draft + verify working set is the largest: bs's own without a schedule, else the schedule's."""
+        if not self.rounds:
+            return bs, self
+        fixed = [(n, replace(self, budget=budget, num_modes=modes, rounds=()))
+                 for n, (budget, modes) in enumerate(self.rounds[:bs], start=1)]
+        return max(fixed, key=lambda plan: plan[1].draft_bytes(plan[0]) + plan[1].verify_bytes(plan[0]))
+
     def extra_bytes(self, bs: int) -> int:
         """Everything MFD allocates outside SGLang's plan with bs requests running."""
-        return self.weight_bytes + self.draft_bytes(bs) + self.verify_bytes(bs) + self.verify_graph_bytes
+        n, plan = self.largest_round(bs)
+        return self.weight_bytes + plan.draft_bytes(n) + plan.verify_bytes(n) + self.verify_graph_bytes
 
     def describe(self, bs: int) -> str:
         mib = 2**20
         graphs = (f", verify graphs of the other windows {self.verify_graph_bytes / mib:.0f} MiB"
                   if self.verify_graph_bytes else "")
         fp8 = " (attention and MLP linears in FP8)" if self.fp8_bytes_per_row else ""
-        return (f"drafter weights {self.weight_bytes / mib:.0f} MiB{fp8}, draft + tree at {bs} requests "
-                f"{self.draft_bytes(bs) / mib:.0f} MiB, verify logits {self.verify_bytes(bs) / mib:.0f} MiB"
+        n, plan = self.largest_round(bs)
+        at = (f"at {bs} requests" if not self.rounds else
+              f"at the schedule's largest round of at most {bs} requests ({n} at budget {plan.budget})")
+        return (f"drafter weights {self.weight_bytes / mib:.0f} MiB{fp8}, draft + tree {at} "
+                f"{plan.draft_bytes(n) / mib:.0f} MiB, verify logits {plan.verify_bytes(n) / mib:.0f} MiB"
                 f"{graphs} (outside SGLang's plan: {self.extra_bytes(bs) / mib:.0f} MiB); drafter context "
                 f"{self.context_bytes_per_token} B per KV slot (inside SGLang's KV plan)")
 
@@ -141,7 +162,7 @@ SMALL_GRAPH_STATE = 8 * 2**20
 
 @dataclass(frozen=True)
 class VerifyGraphPlan:
-    """Device memory of the automatic budget's extra tree-verify windows (`serving/verify_graph.py`):
+    """Device memory of the extra tree-verify windows of a varying budget (`serving/verify_graph.py`):
     for each window width other than the launch one, attention backends of their own and their
     CUDA-graph state, as SGLang 0.5.23 allocates them (the launch width's state SGLang plans itself).
     A graph token is one of (largest captured batch) x width; per backend and width:
@@ -183,9 +204,10 @@ class VerifyGraphPlan:
         return sum(self.width_bytes(width) for width in self.widths)
 
 
-def verify_graph_plan(server_args, budget: int) -> VerifyGraphPlan | None:
-    """The plan of the automatic budget's extra verify windows for a GPU server (SGLang's resolved
-    arguments and the target's ModelConfig); None without CUDA graphs."""
+def verify_graph_plan(server_args, budget: int, budgets: tuple[int, ...] | None = None) -> VerifyGraphPlan | None:
+    """The plan of the extra verify windows for a GPU server whose rounds verify the windows of `budgets`
+    (default: the automatic budget's candidates up to the launch budget) (SGLang's resolved arguments and the
+    target's ModelConfig); None without CUDA graphs."""
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_config import Backend
@@ -215,7 +237,7 @@ def verify_graph_plan(server_args, budget: int) -> VerifyGraphPlan | None:
                          else max(envs.SGLANG_FLASHINFER_WORKSPACE_SIZE.get(), FLASHINFER_QWEN_WORKSPACE)),
         wrapper_kinds=2 if (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
         or model.is_encoder_decoder else 1,
-        widths=tuple(b + 1 for b in candidate_budgets(budget) if b != budget))
+        widths=tuple(b + 1 for b in (candidate_budgets(budget) if budgets is None else budgets) if b != budget))
 
 
 def memory_plan(cfg: DrafterConfig, weight_elements: int, *, dtype_bytes: int, budget: int, vocab: int,
@@ -265,41 +287,56 @@ def reserve_in_mem_fraction(server_args, plan: MemoryPlan, gpu_mem_mib: float | 
 
 
 def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embeddings: bool, dtype_bytes: int,
-                        num_modes: int | None, verify_graphs: bool) -> MemoryPlan:
+                        num_modes: int | None, verify_budgets: tuple[int, ...], schedule=None) -> MemoryPlan:
     """The plan of the drafter checkpoint `ckpt` served by `server_args` with tree budget B over a target
-    vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_graphs: the automatic
-    budget's extra tree-verify graphs are captured (a GPU server with --mfd-auto-budget)."""
+    vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_budgets: the budgets whose
+    tree-verify graphs are captured beside the launch one's (`budget_schedule.varying_budgets`; empty: none);
+    schedule: the default `budget_schedule.BudgetSchedule` in force, whose rounds size the working sets."""
     from .launch import attention_dp_size
     from .options import draft_quantization
 
-    graphs = verify_graph_plan(server_args, budget) if verify_graphs else None
+    graphs = verify_graph_plan(server_args, budget, verify_budgets) if verify_budgets else None
     # The vocabulary is sharded over the ranks that run one batch: the attention-TP group under attention DP.
     vocab_shards = int(server_args.tp_size or 1) // attention_dp_size(server_args)
     weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())  # as at launch
-    return memory_plan(ckpt.config, weights, dtype_bytes=dtype_bytes, budget=budget, vocab=vocab, num_modes=num_modes,
-                       tp_size=vocab_shards, tied_embeddings=tied_embeddings,
+    plan = memory_plan(ckpt.config, weights, dtype_bytes=dtype_bytes, budget=budget, vocab=vocab,
+                       num_modes=num_modes, tp_size=vocab_shards, tied_embeddings=tied_embeddings,
                        verify_graph_bytes=graphs.total_bytes() if graphs else 0,
                        draft_quantization=draft_quantization(server_args))
+    if schedule is None:
+        return plan
+    # Under attention DP a rank drafts its own requests' path at the budget of every rank's: any path.
+    return replace(plan, rounds=schedule.rounds(every_path=attention_dp_size(server_args) > 1))
 
 
 def plan_launch_memory(server_args) -> None:
     """At launch (SGLang's handle_server_args stage): the plan of the drafter at
     --speculative-draft-model-path, logged (every scheduler's worker logs the plan it computes from the same
-    arguments: the two lines agree) and on an accelerator reserved through `reserve_in_mem_fraction`."""
+    arguments: the two lines agree) and on an accelerator reserved through `reserve_in_mem_fraction`. With
+    the default budget on CUDA, the schedule in force is logged too, and its windows planned
+    (`budget_schedule`)."""
     from sglang.srt.utils.common import get_device_memory_capacity
 
     from mfd_sglang.checkpoint import load_drafter
 
+    from .budget_schedule import budget_schedule, varying_budgets
     from .launch import target_config
     from .options import budget_from_num_draft_tokens, read_options
 
     options = read_options(server_args)
     target = target_config(server_args)
-    plan = drafter_memory_plan(server_args, load_drafter(server_args.speculative_draft_model_path),
-                               budget=budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens),
-                               vocab=target["vocab_size"], tied_embeddings=bool(target.get("tie_word_embeddings")),
+    ckpt = load_drafter(server_args.speculative_draft_model_path)
+    budget = budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
+    schedule = budget_schedule(server_args, options, ckpt.config, target, budget=budget,
+                               algorithm=str(server_args.speculative_algorithm).upper())
+    if schedule is not None:
+        logger.info("MFD budget (no --speculative-num-draft-tokens, no --mfd-auto-budget): %s; pass "
+                    "--speculative-num-draft-tokens N for a fixed budget", schedule.describe())
+    plan = drafter_memory_plan(server_args, ckpt, budget=budget, vocab=target["vocab_size"],
+                               tied_embeddings=bool(target.get("tie_word_embeddings")),
                                dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
-                               num_modes=options.num_modes, verify_graphs=options.auto_budget)
+                               num_modes=options.num_modes,
+                               verify_budgets=varying_budgets(options.auto_budget, schedule, budget), schedule=schedule)
     logger.info("MFD memory at launch: %s", plan.describe(int(server_args.max_running_requests)))
     if str(server_args.device) == "cpu":
         return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher

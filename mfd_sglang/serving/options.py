@@ -22,6 +22,11 @@ plain dict that rides along to every scheduler process (TP, DP, PD) with the rec
                                         (default) or not the paths that draft each request's K/2 and 1
                                         best modes beside all K (`budget.mode_paths`); on: refused at
                                         launch without both.
+    --mfd-kernels {auto,triton,torch}   which implementation runs every step of the round
+                                        (`mfd_sglang.backend`): auto (default) Triton on CUDA, torch
+                                        elsewhere; torch: the torch references on CUDA too (the way
+                                        around a Triton kernel that fails on a GPU; draft CUDA graphs
+                                        off); triton: refused on a device that is not CUDA.
 
 Deprecated, for one release: the environment variables MFD_SGLANG_SWITCH_THRESHOLD=N, MFD_SGLANG_NUM_MODES=K',
 MFD_SGLANG_AUTO_BUDGET=1 and MFD_SGLANG_MODE_SUBSETS=0/1 still set the same options where no flag does, with
@@ -44,6 +49,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from mfd_sglang.backend import KERNEL_CHOICES
+
 logger = logging.getLogger(__name__)
 
 SWITCH_THRESHOLD_ENV = "MFD_SGLANG_SWITCH_THRESHOLD"
@@ -51,10 +58,14 @@ NUM_MODES_ENV = "MFD_SGLANG_NUM_MODES"
 AUTO_BUDGET_ENV = "MFD_SGLANG_AUTO_BUDGET"
 MODE_SUBSETS_ENV = "MFD_SGLANG_MODE_SUBSETS"
 DEFAULT_SWITCH_THRESHOLD = 3
-MAX_BUDGET = 1024
+# The largest tree budget: every Triton kernel compiles for sm_90a and sm_80 within shared memory and without
+# spills up to B = 256 (tests/test_gpu_ledger.py); at B = 512 the beam kernel alone compiles for minutes.
+MAX_BUDGET = 256
 
 
 def default_num_draft_tokens(device: str) -> int:
+    """--speculative-num-draft-tokens when not given: on CUDA 65, the largest budget (64) of the default
+    schedule, which picks each round's budget by its batch size (`budget_schedule`); elsewhere 17, every round."""
     return 65 if str(device).startswith("cuda") else 17
 
 
@@ -64,23 +75,26 @@ class MFDOptions:
     num_modes: int | None = None  # None: every mode of the drafter
     auto_budget: bool = False
     mode_subsets: bool | None = None  # None: offered where they can be (a mode gate, the automatic budget)
+    kernels: str = "auto"  # --mfd-kernels: `mfd_sglang.backend.resolve_backend` makes it "triton" or "torch"
     # How each option was given, for messages: its flag, or its environment variable and value.
     spelled: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
 class Option:
-    """One MFD option: its field of MFDOptions, its flag and its deprecated environment variable."""
+    """One MFD option: its field of MFDOptions, its flag and its deprecated environment variable (None: a
+    flag only)."""
 
     field: str
     flag: str
-    env: str
+    env: str | None
 
 
 OPTIONS = (Option("switch_threshold", "--mfd-switch-threshold", SWITCH_THRESHOLD_ENV),
            Option("num_modes", "--mfd-num-modes", NUM_MODES_ENV),
            Option("auto_budget", "--mfd-auto-budget", AUTO_BUDGET_ENV),
-           Option("mode_subsets", "--mfd-mode-subsets", MODE_SUBSETS_ENV))
+           Option("mode_subsets", "--mfd-mode-subsets", MODE_SUBSETS_ENV),
+           Option("kernels", "--mfd-kernels", None))
 SWITCHES = {"on": True, "off": False, "true": True, "false": False}  # YAML reads on / off as booleans
 
 
@@ -116,6 +130,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--mfd-mode-subsets", type=_switch, default=None, metavar="{on,off}",
                        help="with --mfd-auto-budget and a gated drafter: offer the paths drafting each request's "
                             "K/2 and 1 best modes (default on where they can be; on: refused without both)")
+    group.add_argument("--mfd-kernels", choices=KERNEL_CHOICES, default=None,
+                       help="which implementation runs every step of MFD's round: auto (default) = Triton kernels on "
+                            "CUDA, torch elsewhere; torch = the pure-torch path on CUDA too, the way around a Triton "
+                            "kernel that fails on your GPU (slower: no draft CUDA graphs); triton = Triton, refused "
+                            "without CUDA")
 
 
 def given_options(namespace: argparse.Namespace) -> dict:
@@ -171,8 +190,8 @@ def read_options(server_args=None, environ=None) -> MFDOptions:
         if o.field in from_env:
             logger.warning("%s is deprecated and goes in the next release: pass %s instead.", o.env, o.flag)
     values = {**from_env, **flags}
-    spelled = {o.field: _spelled_flag(o, flags[o.field]) if o.field in flags else f"{o.env}={env.get(o.env)}"
-               for o in OPTIONS}
+    spelled = {o.field: _spelled_flag(o, flags[o.field]) if o.field in flags
+               else f"{o.env}={env.get(o.env)}" if o.env else o.flag for o in OPTIONS}
     if values.get("auto_budget") and values.get("switch_threshold") is not None:
         raise ValueError(f"{spelled['auto_budget']} chooses MFD_D's drafting path itself; drop "
                          f"{spelled['switch_threshold']} (or the automatic budget).")
@@ -181,6 +200,7 @@ def read_options(server_args=None, environ=None) -> MFDOptions:
         num_modes=values.get("num_modes"),
         auto_budget=bool(values.get("auto_budget")),
         mode_subsets=values.get("mode_subsets"),
+        kernels=values.get("kernels", "auto"),
         spelled=spelled,
     )
 
@@ -210,6 +230,7 @@ def budget_from_num_draft_tokens(num_draft_tokens: int) -> int:
     if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(
             f"--speculative-num-draft-tokens {num_draft_tokens} gives MFD a tree budget of {budget} "
-            f"nodes; it must be between 1 and {MAX_BUDGET} (N = budget + 1, the root included, as "
-            f"for EAGLE). Use e.g. --speculative-num-draft-tokens 65 for a 64-node tree.")
+            f"nodes; it must be between 1 and {MAX_BUDGET}, the largest budget MFD's GPU kernels are built for "
+            f"(N = budget + 1, the root included, as for EAGLE: at most --speculative-num-draft-tokens "
+            f"{MAX_BUDGET + 1}). Use e.g. --speculative-num-draft-tokens 65 for a 64-node tree.")
     return budget

@@ -68,11 +68,12 @@ def tree_verify_input(custom_mask: torch.Tensor, num_nodes: int, layout: VerifyL
 
 
 def layout_verify_input(layout: VerifyLayout, seq_lens: torch.Tensor, lens_sum: int,
-                        spec_steps: int) -> EagleVerifyInput:
+                        spec_steps: int, backend: str) -> EagleVerifyInput:
     """The verify input of a round's layout; lens_sum: any host-side upper bound of sum(seq_lens) (it
-    sizes the flat mask, whose cells are placed from seq_lens)."""
+    sizes the flat mask, whose cells are placed from seq_lens); backend: the mask's (`full_custom_mask`)."""
     bs, num_nodes = layout.draft_token.shape
-    custom_mask = full_custom_mask(layout.ancestor_mask, seq_lens, num_nodes * lens_sum + bs * num_nodes * num_nodes)
+    custom_mask = full_custom_mask(layout.ancestor_mask, seq_lens, num_nodes * lens_sum + bs * num_nodes * num_nodes,
+                                   backend)
     return tree_verify_input(custom_mask, num_nodes, layout, spec_steps)
 
 
@@ -84,9 +85,11 @@ class VerifiedTree(NamedTuple):
     output: object  # the target's GenerationBatchResult: logits of every node, hidden states
 
 
-def verify_tree(target_worker, batch, layout: VerifyLayout, seq_lens: torch.Tensor, spec_steps: int) -> VerifiedTree:
-    """One target forward over [root, tree nodes] per request through SGLang's tree-verify path."""
-    verify_input = layout_verify_input(layout, seq_lens, int(reserved_lens(batch).sum()), spec_steps)
+def verify_tree(target_worker, batch, layout: VerifyLayout, seq_lens: torch.Tensor, spec_steps: int,
+                backend: str) -> VerifiedTree:
+    """One target forward over [root, tree nodes] per request through SGLang's tree-verify path (backend: the
+    verify mask's, `layout_verify_input`)."""
+    verify_input = layout_verify_input(layout, seq_lens, int(reserved_lens(batch).sum()), spec_steps, backend)
     return run_verify(target_worker, batch, verify_input)
 
 

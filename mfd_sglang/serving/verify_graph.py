@@ -12,12 +12,13 @@ size is padded by the runner (EAGLE's `generate_attn_arg_prefill` pads the mask 
 
 Installed by `mfd_sglang.patches.tree_verify_graph_runner` through `ModelRunner._decode_cuda_graph_runner_cls`.
 
-Under the automatic budget a round verifies a window of b + 1 tokens for its budget b (1 for plain
-decoding), and a graph replays only the width it was captured with: `VerifyGraphsByWidth` captures one
-runner per candidate width, each over an attention backend of its own (a backend's graph buffers and
-per-batch-size metadata belong to the width it was captured for), and a round activates its width's
-pair on the target's model runner. SGLang 0.5.23's EAGLE adaptive steps keep per-step-count runtime
-states the same way (`EAGLEWorkerV2.build_adaptive_runtime_state` / `apply_runtime_state`).
+Where the budget varies (the automatic budget, the default schedule on CUDA) a round verifies a window of
+b + 1 tokens for its budget b (1 for plain decoding), and a graph replays only the width it was captured
+with: `VerifyGraphsByWidth` captures one runner per width a round may verify (`verify_graphs_by_width`),
+each over an attention backend of its own (a backend's graph buffers and per-batch-size metadata belong
+to the width it was captured for), and a round activates its width's pair on the target's model runner.
+SGLang 0.5.23's EAGLE adaptive steps keep per-step-count runtime states the same way
+(`EAGLEWorkerV2.build_adaptive_runtime_state` / `apply_runtime_state`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class VerifyGraphsByWidth:
     another width is activated (prefills run on whichever backend is active, as under EAGLE's
     adaptive steps: every one is a complete backend)."""
 
-    def __init__(self, model_runner, widths, capture=capture_verify_width):
+    def __init__(self, model_runner, widths, capture=capture_verify_width, varying: str = "automatic budget"):
+        # varying: what varies the budget, for the error message
         self.model_runner = model_runner
         self.active = int(get_spec().speculative_num_draft_tokens)
         self.states = {self.active: (model_runner.attn_backend, model_runner.decode_cuda_graph_runner)}
@@ -95,10 +97,10 @@ class VerifyGraphsByWidth:
                 self.states[width] = capture(model_runner, width)
             except torch.cuda.OutOfMemoryError as exc:
                 raise RuntimeError(
-                    f"MFD automatic budget: out of device memory capturing the tree-verify graphs of a "
-                    f"{width}-token window (after windows {sorted(self.states)}); lower "
-                    "--mem-fraction-static or --cuda-graph-max-bs, or serve a fixed budget "
-                    "(without --mfd-auto-budget)") from exc
+                    f"MFD {varying}: out of device memory capturing the tree-verify graphs of a {width}-token "
+                    f"window (after windows {sorted(self.states)}); lower --mem-fraction-static or "
+                    "--cuda-graph-max-bs, or serve a fixed budget (--speculative-num-draft-tokens N, without "
+                    "--mfd-auto-budget)") from exc
         # The launch plan counted these (`memory.VerifyGraphPlan`); the GPU check holds it to this figure.
         logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request (the "
                     "extra widths took %.0f MiB of device memory)", sorted(self.states),
@@ -108,3 +110,12 @@ class VerifyGraphsByWidth:
         if width != self.active:
             self.model_runner.attn_backend, self.model_runner.decode_cuda_graph_runner = self.states[width]
             self.active = width
+
+
+def verify_graphs_by_width(model_runner, budgets, varying: str) -> VerifyGraphsByWidth | None:
+    """The target's tree-verify graphs at the windows of `budgets` (b + 1 tokens each), when its decode
+    graphs are MFD's tree-verify graphs (a GPU with CUDA graphs on); else None. varying: what varies the
+    budget ("automatic budget", "default budget schedule")."""
+    if not isinstance(model_runner.decode_cuda_graph_runner, MFDVerifyCudaGraphRunner):
+        return None
+    return VerifyGraphsByWidth(model_runner, [b + 1 for b in budgets], varying=varying)

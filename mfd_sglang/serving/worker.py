@@ -41,20 +41,24 @@ from sglang.srt.speculative.spec_utils import (GrammarTree, build_grammar_vocab_
                                                 move_accept_tokens_to_target_kvcache)
 from sglang.srt.utils import async_h2d
 
-from mfd_sglang.checkpoint import load_drafter
+from mfd_sglang.backend import resolve_backend
+from mfd_sglang.checkpoint import load_drafter, target_text_config
 from mfd_sglang.verify import TreeVerifyResult
 
 from .accept import accept_tree, pad_result, sample_first_tokens
 from .auto_budget import AutoBudget
-from .budget import Arm, mode_paths
+from .budget import Arm, Path, mode_paths
+from .budget_schedule import budget_schedule, varying_budgets
 from .calibration import placeholder_verify_batch
 from .commit import commit_round
 from .draft_stage import DraftStage
+from .launch import attention_dp_size
 from .memory import drafter_memory_plan
 from .options import budget_from_num_draft_tokens, draft_quantization, read_options
 from .outputs import first_token_outputs, round_outputs
 from .target_checks import check_target_runner, check_tree_verify_attention
 from .tree_verify import VerifiedTree, idle_verify, layout_verify_input, reserved_lens, verify_tree
+from .verify_graph import verify_graphs_by_width
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +102,10 @@ class MFDWorkerV2(BaseSpecWorker):
         options = read_options(server_args)
         ckpt = load_drafter(spec.speculative_draft_model_path)
         self.draft_quantization = draft_quantization(server_args)  # "fp8": attention and MLP linears in e4m3
+        # Which implementation runs every step of the round, decided once (--mfd-kernels, the device).
+        self.backend = resolve_backend(options.kernels, self.device)
         self.drafting = DraftStage.for_target(ckpt, self.model_runner, fp8_linears=self.draft_quantization == "fp8",
-                                              num_modes=options.num_modes)
+                                              num_modes=options.num_modes, backend=self.backend)
         # With a mode gate and --mfd-num-modes K' < K: each request's K' best modes (`Arm.modes`).
         self.gated_modes = (options.num_modes if self.drafting.gated and options.num_modes is not None
                             and options.num_modes < self.drafting.num_modes else None)
@@ -111,23 +117,32 @@ class MFDWorkerV2(BaseSpecWorker):
         # MFD_D with a fixed budget: the single-mode path from this many running requests on.
         self.switch_threshold = options.switch_threshold if algorithm == "MFD_D" and not options.auto_budget else None
         self.single_mode = False  # MFD_D's current path, logged when it switches
+        # On CUDA without --speculative-num-draft-tokens or --mfd-auto-budget: the budget by batch size.
+        self.budget_schedule = budget_schedule(server_args, options, ckpt.config,
+                                               target_text_config(self.model_runner.model_config.hf_config),
+                                               budget=self.budget, algorithm=algorithm)
+        self.attention_dp = attention_dp_size(server_args) > 1  # the schedule reads every DP rank's requests
+        self.verify_windows = None  # the schedule's tree-verify graphs by window (GPU, CUDA graphs)
         drafting = self.drafting
         self.memory_plan = drafter_memory_plan(
             server_args, ckpt, budget=self.budget, vocab=self.model_runner.model_config.vocab_size,
             tied_embeddings=self.model_runner.model.lm_head.weight is self.model_runner.model.get_input_embeddings().weight,
             dtype_bytes=drafting.embed_weight.element_size(), num_modes=options.num_modes,
-            verify_graphs=options.auto_budget)  # as plan_launch_memory: the launch's line and this one agree
+            verify_budgets=varying_budgets(options.auto_budget, self.budget_schedule, self.budget),
+            schedule=self.budget_schedule)  # as at launch
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests)))
         cfg = drafting.drafter.cfg
         logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s)%s, block %d, linears %s), tree budget %s, "
-                    "single-mode switch at %s running requests, tree backend %s, mode attention %s", algorithm,
+                    "single-mode switch at %s running requests, kernels %s (--mfd-kernels %s), drafter context %s",
+                    algorithm,
                     spec.speculative_draft_model_path, cfg.num_hidden_layers, drafting.num_modes,
                     f", each request's {self.gated_modes} best by the mode gate" if self.gated_modes else "",
                     cfg.block_size,
                     "fp8 e4m3" if self.draft_quantization == "fp8" else "unquantized",
-                    self.auto_budget.describe() if self.auto_budget else self.budget,
-                    "auto" if self.auto_budget else self.switch_threshold or "never", drafting.tree_backend,
-                    drafting.mode_attention_backend or "padded copy (sliding layers)")
+                    self.auto_budget.describe() if self.auto_budget else
+                    self.budget_schedule.describe() if self.budget_schedule else self.budget,
+                    "auto" if self.auto_budget else self.switch_threshold or "never", self.backend, options.kernels,
+                    "read in place" if drafting.paged else "padded copy (sliding layers)")
 
     # --- SGLang lifecycle ---------------------------------------------------------------------
     def init_attention_backends(self):
@@ -139,7 +154,8 @@ class MFDWorkerV2(BaseSpecWorker):
         self.drafting.init_context_pool(kv_pool.size + kv_pool.page_size, self.model_runner.req_to_token_pool,
                                         device=self.device,
                                         dtype=self.model_runner.model_config.dtype,
-                                        deferred_rows=DEFERRED_CONTEXT_ROWS if self.auto_budget else 0,
+                                        deferred_rows=DEFERRED_CONTEXT_ROWS if self.auto_budget or self.budget_schedule
+                                        else 0,
                                         page_size=kv_pool.page_size)
 
     @property
@@ -152,15 +168,18 @@ class MFDWorkerV2(BaseSpecWorker):
 
     def init_cuda_graphs(self):
         """CUDA graphs: under the automatic budget the target's tree-verify graphs at every candidate
-        window (SGLang captured the launch budget's), and draft + tree + layout of every arm at every
-        batch-size bucket; then the automatic budget's start-up calibration (on a CPU too, where SGLang
-        calls this as well and nothing is captured)."""
+        window, under the default schedule at each of its budgets' (SGLang captured the launch budget's), and
+        draft + tree + layout of every arm at every batch-size bucket; then the automatic budget's start-up
+        calibration (on a CPU too, where SGLang calls this as well and nothing is captured)."""
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 
         max_bs = int(self.server_args.max_running_requests)
         if not (self.server_args.disable_cuda_graph or check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)):
             if self.auto_budget is not None:
                 self.auto_budget.capture_verify_graphs(self.model_runner)
+            elif self.budget_schedule is not None:
+                self.verify_windows = verify_graphs_by_width(self.model_runner, self.budget_schedule.budgets(),
+                                                             "default budget schedule")
             self.drafting.capture_graphs(max_bs, self.auto_budget.arms if self.auto_budget else self.fixed_arms())
         if self.auto_budget is not None:
             self.auto_budget.calibrate(max_bs,
@@ -169,7 +188,8 @@ class MFDWorkerV2(BaseSpecWorker):
 
     def placeholder_verify(self, layout, seq_lens: torch.Tensor, lens_sum: int):
         """The verify forward of layout's window for the calibration's placeholder requests."""
-        verify_input = layout_verify_input(layout, seq_lens, lens_sum, self.drafting.drafter.num_draft_positions)
+        verify_input = layout_verify_input(layout, seq_lens, lens_sum, self.drafting.drafter.num_draft_positions,
+                                           self.backend)
         forward_batch = placeholder_verify_batch(self.model_runner, verify_input, seq_lens)
         return lambda: self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
                                                                    is_verify=True)
@@ -231,21 +251,22 @@ class MFDWorkerV2(BaseSpecWorker):
         if seq_lens.is_cuda:  # gathered on the schedule stream (overlap): keep it alive on this one
             seq_lens.record_stream(torch.cuda.current_stream(seq_lens.device))
         roots = batch.spec_info.bonus_tokens.reshape(-1).long()
-        arm = self.choose_arm(len(batch.reqs))
+        arm = self.choose_arm(len(batch.reqs), self.scheduled_batch_size(batch))
         tree, layout = self.drafting.tree(roots, seq_lens, batch.req_pool_indices, int(reserved_lens(batch).max()), arm)
         # Grammar requests: the tree goes to the host while the verify runs (SGLang's EAGLE path).
         grammar_tree = (GrammarTree.from_device(layout.retrive_next_token, layout.retrive_next_sibling,
                                                 layout.draft_token) if batch.has_grammar else None)
-        if self.auto_budget is not None:
-            self.auto_budget.activate_window(arm.budget + 1)
-        verified = verify_tree(self.target_worker, batch, layout, seq_lens, self.drafting.drafter.num_draft_positions)
+        self.activate_window(arm.budget + 1)
+        verified = verify_tree(self.target_worker, batch, layout, seq_lens, self.drafting.drafter.num_draft_positions,
+                               self.backend)
         logits_output = verified.output.logits_output
         grammar_mask = None
         if grammar_tree is not None:
             grammar_mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar_tree, sampling_info=batch.sampling_info,
                                                     device=logits_output.next_token_logits.device,
                                                     barrier=grammar_barrier)
-        result, node_logits = accept_tree(tree, layout, logits_output.next_token_logits, batch, seq_lens, grammar_mask)
+        result, node_logits = accept_tree(tree, layout, logits_output.next_token_logits, batch, seq_lens, grammar_mask,
+                                          backend=self.backend)
         self.from_rank0(*(getattr(result, field.name) for field in dataclasses.fields(result)))
         if self.auto_budget is not None:
             self.auto_budget.after_round(arm, result)
@@ -271,8 +292,12 @@ class MFDWorkerV2(BaseSpecWorker):
 
     def forward_idle_verify(self, batch, on_publish):
         """An idle attention-DP rank's decode round: the target's verify forward over no request at the
-        window width its peers verify (`idle_verify`), nothing drafted or accepted."""
-        idle_verify(self.target_worker, batch, self.speculative_num_draft_tokens)
+        window width its peers verify (`idle_verify`; under the default schedule its budget for every DP
+        rank's requests, which the peers read too), nothing drafted or accepted."""
+        width = (self.speculative_num_draft_tokens if self.budget_schedule is None
+                 else self.budget_schedule.budget(self.scheduled_batch_size(batch)) + 1)
+        self.activate_window(width)
+        idle_verify(self.target_worker, batch, width)
         no_tokens = torch.empty((0,), dtype=torch.int64, device=self.device)
         if on_publish is not None:
             on_publish(no_tokens)
@@ -283,9 +308,10 @@ class MFDWorkerV2(BaseSpecWorker):
             new_seq_lens=no_tokens)
 
     # --- the round's arm --------------------------------------------------------------------------
-    def choose_arm(self, bs: int) -> Arm:
-        """The automatic budget's choice, else the launch budget on MFD_D's path for bs running requests
-        (single mode from the threshold on)."""
+    def choose_arm(self, bs: int, scheduled_bs: int | None = None) -> Arm:
+        """The automatic budget's choice, else MFD_D's path for bs running requests (single mode from the
+        threshold on) at the launch budget, or under the default schedule at its budget for scheduled_bs
+        requests (`scheduled_batch_size`; bs when not given)."""
         if self.auto_budget is not None:
             return self.auto_budget.choose(bs)
         single_mode = self.switch_threshold is not None and bs >= self.switch_threshold
@@ -293,13 +319,33 @@ class MFDWorkerV2(BaseSpecWorker):
             self.single_mode = single_mode
             logger.info("MFD_D: %d running requests, switching to the %s path", bs,
                         "single-mode" if single_mode else f"{self.gated_modes or self.drafting.num_modes}-mode")
-        return Arm(single_mode, self.budget, None if single_mode else self.gated_modes)
+        path = Path(single_mode, None if single_mode else self.gated_modes)
+        if self.budget_schedule is not None:
+            return self.budget_schedule.arm(scheduled_bs or bs, path)
+        return path.at(self.budget)
 
     def fixed_arms(self) -> list[Arm]:
-        """The arms a fixed budget drafts: the K-mode path (or the gate's K' modes), and MFD_D's single-mode
-        path."""
+        """The arms a round without the automatic budget may draft: the K-mode path (or the gate's K' modes)
+        and MFD_D's single-mode path, at the launch budget or at every budget of the default schedule."""
+        if self.budget_schedule is not None:
+            return self.budget_schedule.arms(every_path=self.attention_dp)
         return [Arm(False, self.budget, self.gated_modes)] + ([Arm(True, self.budget)] if self.switch_threshold
                                                              is not None else [])
+
+    def scheduled_batch_size(self, batch) -> int:
+        """The requests the default schedule reads a round's budget at: this rank's, or under attention DP
+        every DP rank's together (SGLang's per-rank counts of the round, gathered before it on every rank),
+        since the MLP runs them all and every rank must verify one window width."""
+        counts = getattr(batch, "global_num_tokens", None)
+        return sum(counts) if self.attention_dp and counts else len(batch.reqs)
+
+    def activate_window(self, width: int) -> None:
+        """The target's tree-verify graphs (and attention backend) of a window of `width` tokens per request,
+        where the budget varies (the automatic budget's, the default schedule's)."""
+        if self.auto_budget is not None:
+            self.auto_budget.activate_window(width)
+        elif self.verify_windows is not None:
+            self.verify_windows.activate(width)
 
     # --- tensor parallelism -----------------------------------------------------------------------
     def from_rank0(self, *tensors: torch.Tensor) -> None:

@@ -1,12 +1,14 @@
 """Real SGLang servers held to the same server without speculation, one row per speculative server as
-soon as it has finished (benchmarks/gpu_check.py runs them; on a CPU through the CPU launcher).
+soon as it has finished (the `servers` sections of `mfd_sglang.check`; on a CPU through the CPU launcher).
 
 A group is one pair (target + drafter + prompts) and one server configuration (dtype, CUDA graphs with
 overlap scheduling or neither, attention backend, KV page size): a plain server and the speculative
 servers (MFD, MFD_D, ...) get the same prompts, all at once (so that batches of several requests are
-verified), by token ids (`--skip-tokenizer-init`). On a GPU the servers of a group start together (start-up
-is most of the time); on a CPU one after the other. The plain server stays up until the group is done: the
-bf16 check asks it questions.
+verified), by token ids (`--skip-tokenizer-init`). Where several servers share the device (the GPU check:
+`Launch.one_at_a_time` False) each is bounded in memory and, on a GPU, the servers of a group start together
+(start-up is most of the time), and the plain server stays up until the group is done: the bf16 check asks it
+questions. One at a time (the self-check, or a CPU): each server runs alone with its default memory and is
+stopped before the next starts; a near-tie question starts the plain server again.
 
 A row is `ok` when every request of both servers completed with all its tokens and
 - fp32: the token ids equal the plain server's;
@@ -21,6 +23,8 @@ A row is `ok` when every request of both servers completed with all its tokens a
   tree, the accepted-KV moves and the drafter context;
 - the automatic budget with CUDA graphs: the start-up log lists a verify graph for every candidate budget's
   window, and the memory the extra windows took is more than nothing and within what the launch planned.
+With `timed_alone` each prompt is also sent alone to each server and timed: the row then carries the round's
+time and its cost in plain decode steps at batch size 1 (`round_cost`).
 """
 
 from __future__ import annotations
@@ -34,14 +38,10 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-import torch
-
-from mfd_sglang.checkpoint import save_drafter
 from mfd_sglang.serving.budget import candidate_budgets
 from mfd_sglang.server_process import ServerProcess, free_port, launch_command, log_tail, post_json
-from round_cost import TargetConfig, drafter_raw_config, random_drafter, spread_layer_ids
 
 NEAR_TIE_NATS = 0.25
 # Log lines worth returning from a server (JIT compiles, graph captures, memory, MFD's own start-up lines).
@@ -78,7 +78,8 @@ class Server:
     algorithm: str | None
     budget: int | None = None  # None: the algorithm's own default number of draft tokens
     env: tuple[tuple[str, str], ...] = ()
-    drafter: str = "drafter"  # the pair's drafter folder it serves (DFLASH: the single-mode one)
+    drafter: str | None = None  # a folder beside the pair's drafter that it serves instead (DFLASH: the single-mode one)
+    args: tuple[str, ...] = ()  # its own flags (e.g. --mfd-kernels)
 
 
 PLAIN = Server("plain", None)
@@ -137,39 +138,6 @@ def tiny_pair(path: Path, device: str) -> Pair:
 TINY_ACCEPT_BOUNDS = {"MFD": 5.0, "MFD_D": 3.6}
 
 
-def random_pair(outdir: Path, device: str) -> Pair:
-    """A random Qwen3 target of Qwen3-4B's width (8 layers; a tiny one on a CPU) with a random K = 8
-    drafter: shapes, memory and graph capture at a real size; accepts about nothing."""
-    cfg = TargetConfig.tiny() if device == "cpu" else dataclasses.replace(TargetConfig.qwen3_4b(), layers=8,
-                                                                          draft_layers=2)
-    target, drafter = write_random_pair(outdir, cfg, num_modes=8, device=device)
-    gen = torch.Generator().manual_seed(2)
-    lengths = (5, 17, 40, 9) if device == "cpu" else (7, 40, 100, 180, 260, 350, 430, 500)
-    prompts = tuple(tuple(torch.randint(0, cfg.vocab - 1, (n,), generator=gen).tolist()) for n in lengths)
-    name = "random, Qwen3-4B width, 8 layers" if device != "cpu" else "random, tiny shapes"
-    return Pair(name, target, drafter, prompts, None)
-
-
-def write_random_pair(outdir: Path, cfg: TargetConfig, num_modes: int, device: str) -> tuple[Path, Path]:
-    """OUTDIR/target (HF Qwen3, random weights) and OUTDIR/drafter (MFD, random weights)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
-        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        target = Qwen3ForCausalLM(config)
-    target.save_pretrained(outdir / "target", safe_serialization=True)
-    layer_ids = spread_layer_ids(cfg.layers, cfg.draft_layers)
-    drafter = random_drafter(cfg, layer_ids, num_modes, seed=1, device=device, dtype=torch.float32)
-    save_drafter(outdir / "drafter", drafter_raw_config(cfg, layer_ids, num_modes), drafter.checkpoint_weights())
-    return outdir / "target", outdir / "drafter"
-
-
 class ServerLogs:
     """The log of every server the check started; `write()` puts each one's start-up events and tail into
     one file of the returned folder (a device call returns at most 8 files), refreshed every `every` s by
@@ -216,11 +184,13 @@ def log_events(log: Path, first: int = 30, last: int = 10) -> list[str]:
 
 @dataclasses.dataclass
 class Launch:
-    """What a group needs from the check: device, deadline and where logs go."""
+    """What a group needs from the check: device, deadline, where logs go, and whether its servers share the
+    device (module docstring)."""
     device: str
     deadline: float  # time.time() after which nothing new may start
     logdir: Path
     logs: ServerLogs
+    one_at_a_time: bool = False
 
     def left(self) -> float:
         return self.deadline - time.time()
@@ -236,18 +206,20 @@ def start_server(launch: Launch, pair: Pair, config: ServerConfig, server: Serve
     extra = ["--skip-tokenizer-init", "--max-running-requests", str(len(pair.prompts)), *extra_args]
     if launch.device == "cpu":
         extra += ["--mem-fraction-static", "0.6"]
-    else:  # several servers share the GPU: bound each KV pool and the graphs captured
-        extra += ["--mem-fraction-static", "0.7", "--max-total-tokens", "32768",
-                  "--cuda-graph-max-bs", str(len(pair.prompts))]
+    else:
+        if not launch.one_at_a_time:  # several servers share the GPU: bound each KV pool and the graphs captured
+            extra += ["--mem-fraction-static", "0.7", "--max-total-tokens", "32768",
+                      "--cuda-graph-max-bs", str(len(pair.prompts))]
         if not config.cuda_graphs:
             extra += ["--disable-cuda-graph", "--disable-overlap-schedule"]
     if config.attention is not None and (server.algorithm is None or config.spec_attention_flag):
         extra += ["--attention-backend", config.attention]
     if config.page_size != 1:
         extra += ["--page-size", str(config.page_size)]
-    drafter = pair.drafter.parent / server.drafter
+    drafter = pair.drafter if server.drafter is None else pair.drafter.parent / server.drafter
     cmd = launch_command(pair.target, port=port, algorithm=server.algorithm, drafter=drafter,
-                         budget=server.budget, device=launch.device, dtype=config.dtype, extra_args=extra)
+                         budget=server.budget, device=launch.device, dtype=config.dtype,
+                         extra_args=[*extra, *server.args])
     name = f"{group}-{config.name}-{server.name}".replace(" ", "-")
     log = launch.logdir / f"{name}.log"
     launch.logs.add(name, log)
@@ -345,8 +317,9 @@ def near_tie(launch: Launch, plain: ServerProcess, prompt, plain_ids: list[int],
 
 
 def compare(launch: Launch | None, pair: Pair, config: ServerConfig, server: Server, spec: dict, plain: dict,
-            max_new_tokens: int, plain_server: ServerProcess | None = None) -> dict:
-    """The row of one speculative server against the plain server of its group."""
+            max_new_tokens: int, plain_server: Callable[[], ServerProcess] | None = None) -> dict:
+    """The row of one speculative server against the plain server of its group (plain_server: gives the
+    running plain server, started again if need be, for near-tie questions)."""
     row = {"server": server.name, "pair": pair.name, "dtype": config.dtype, "cuda_graphs": config.cuda_graphs,
            "overlap": config.cuda_graphs, "page_size": config.page_size,
            "attention": (config.attention if config.spec_attention_flag else None) or "default",
@@ -365,7 +338,7 @@ def compare(launch: Launch | None, pair: Pair, config: ServerConfig, server: Ser
     near_ties, ties_ok = [], exact or row["exact_required"]
     if not exact and not row["exact_required"]:
         try:
-            near_ties = [near_tie(launch, plain_server, prompt, r, x)
+            near_ties = [near_tie(launch, plain_server(), prompt, r, x)
                          for prompt, r, x in zip(pair.prompts, ref, ids) if r != x]
             ties_ok = all(t["ok"] for t in near_ties)
         except Exception as exc:
@@ -391,20 +364,30 @@ def server_group(launch: Launch, pair: Pair, config: ServerConfig, servers: list
                  max_new_tokens: int, extra_args: tuple[str, ...] = (), then_one_by_one: bool = False,
                  timed_alone: bool = False) -> Iterator[dict]:
     """Plain and `servers` on one pair and config; yields each speculative server's row as soon as it
-    and the plain server are done (on a GPU all start at once, on a CPU one after the other; with
-    `timed_alone`, which times requests, one after the other everywhere)."""
+    and the plain server are done (on a GPU shared by the group all start at once, else one after the
+    other; with `timed_alone`, which times requests, one after the other everywhere)."""
     kept: list[ServerProcess] = []
     run = lambda server, keep=None: serve(launch, pair, config, server, group, max_new_tokens,  # noqa: E731
                                           extra_args, keep, then_one_by_one, timed_alone)
-    parallel = launch.device != "cpu" and not timed_alone
+    parallel = launch.device != "cpu" and not timed_alone and not launch.one_at_a_time
+
+    def plain_server() -> ServerProcess:
+        if not kept:  # one at a time: the plain server was stopped; it starts again, alone, for a near-tie question
+            kept.append(start_server(launch, pair, config, PLAIN, group, extra_args))
+        return kept[0]
+
     try:
         with ThreadPoolExecutor(1 + len(servers) if parallel else 1) as pool:
-            plain_future = pool.submit(run, PLAIN, kept)
+            plain_future = pool.submit(run, PLAIN, None if launch.one_at_a_time else kept)
             futures: dict[Server, Future] = {s: pool.submit(run, s) for s in servers} if parallel else {}
             plain = plain_future.result()
             for server in servers:
                 spec = futures[server].result() if parallel else run(server)
-                yield compare(launch, pair, config, server, spec, plain, max_new_tokens, kept[0] if kept else None)
+                row = compare(launch, pair, config, server, spec, plain, max_new_tokens, plain_server)
+                if launch.one_at_a_time:  # the next server starts alone
+                    while kept:
+                        kept.pop().stop()
+                yield row
     finally:
         for proc in kept:
             proc.stop()
