@@ -8,7 +8,9 @@ setup(
     packages=["mfd_sglang", "mfd_sglang.check", "mfd_sglang.cpu", "mfd_sglang.lab", "mfd_sglang.lab.multimodal",
               "mfd_sglang.serving", "mfd_sglang.kernels", "mfd_sglang.patches"],
     # The pure-torch `sgl_kernel` stand-in: put on sys.path by mfd_sglang.cpu, never installed as `sgl_kernel`.
-    package_data={"mfd_sglang.cpu": ["sgl_kernel_standin/README.md", "sgl_kernel_standin/sgl_kernel/*.py"]},
+    # The one GPU log the cost ledger's launch floor is fitted to (python -m mfd_sglang gpu-ledger).
+    package_data={"mfd_sglang": ["data/*.log"],
+                  "mfd_sglang.cpu": ["sgl_kernel_standin/README.md", "sgl_kernel_standin/sgl_kernel/*.py"]},
     # kernels/ and patches/ live at the repository root but install INSIDE mfd_sglang: a top-level
     # `kernels` package would shadow the PyPI `kernels` package that sglang depends on.
     package_dir={"mfd_sglang": "mfd_sglang", "mfd_sglang.kernels": "kernels", "mfd_sglang.patches": "patches"},

@@ -12,7 +12,7 @@ Rows, in order:
           its activation quantization (on CUDA the Triton kernel) is bit-equal to `quantize_rows`; with the
           ms of the FP8 layer and of the unquantized linear;
   round   per batch size and config (MFD: K = 8; MFD_D: its single-mode path) at B = 64, the round of
-          `round_cost.py` (draft + tree + verify + commit, each a CUDA graph on a GPU) with the unquantized
+          `mfd_sglang/round_cost.py` (draft + tree + verify + commit, each a CUDA graph on a GPU) with the unquantized
           drafter and with an FP8 copy of it: draft and round ms of both, the round cost (in plain decode
           steps) of both and FP8's speed-up of each; `ok` when the FP8 round replayed from its graphs equals
           the same round run eagerly (`graphs_match_eager`: tree, accepted path, every cache write).
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from mfd_sglang.drafter import fp8_linear_shapes
 from mfd_sglang.fp8 import FP8Linear, quantize_activations, quantize_rows
+from mfd_sglang.round_cost import (BUDGET, CONFIGS, SpecRound, StaticTarget, TargetConfig, capture_decode_step,
+                                   capture_round, graphs_match_eager, random_drafter, replay_ms)
 from mfd_sglang.timing import mean_ms
-from round_cost import (BUDGET, CONFIGS, SpecRound, StaticTarget, TargetConfig, capture_decode_step, capture_round,
-                        graphs_match_eager, random_drafter, replay_ms)
 
 ROUND_CONFIGS = ("mfd", "mfd_d")
 # bf16: the output's rounding (2^-9) and more; float32: Hopper's FP8 MMA accumulates with fewer bits than

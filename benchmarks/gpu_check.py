@@ -77,9 +77,9 @@ from mfd_sglang.check.run import (Check, Section, StructuralSkip, Writer, failur
 from mfd_sglang.check.servers import ServerLogs, print_server_rows  # noqa: E402
 from mfd_sglang.cuda_graph import host_syncs_raise  # noqa: E402
 from mfd_sglang.mode_attention import mode_attention, random_inputs  # noqa: E402
+from mfd_sglang.round_cost import STAGES as ROUND_STAGES, print_round_cost, round_cost_rows  # noqa: E402
 from mfd_sglang.timing import mean_ms  # noqa: E402
 from mfd_sglang.tree import build_mixture_tree  # noqa: E402
-from round_cost import STAGES as ROUND_STAGES, print_round_cost, round_cost_rows  # noqa: E402
 from tree_build import time_build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -304,7 +304,7 @@ def random_pair(outdir: Path, device: str):
     """A random Qwen3 target of Qwen3-4B's width (8 layers; a tiny one on a CPU) with a random K = 8
     drafter: shapes, memory and graph capture at a real size; accepts about nothing."""
     from mfd_sglang.check.servers import Pair
-    from round_cost import TargetConfig
+    from mfd_sglang.round_cost import TargetConfig
 
     cfg = TargetConfig.tiny() if device == "cpu" else dataclasses.replace(TargetConfig.qwen3_4b(), layers=8,
                                                                           draft_layers=2)
@@ -322,7 +322,7 @@ def write_random_pair(outdir: Path, cfg, num_modes: int, device: str) -> tuple[P
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from mfd_sglang.checkpoint import save_drafter
-    from round_cost import drafter_raw_config, random_drafter, spread_layer_ids
+    from mfd_sglang.round_cost import drafter_raw_config, random_drafter, spread_layer_ids
 
     config = Qwen3Config(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,

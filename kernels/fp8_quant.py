@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mfd_sglang.kernels.params import FP8, FP8_MAX, SCALE_FLOOR
+
 _BLOCK = 1024  # columns per step of a row's two loops
 
 
@@ -56,8 +58,6 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, FP8_MA
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`mfd_sglang.fp8.quantize_rows` of a 2-D x [M, K] (unit stride along K): (e4m3 [M, K], float32 [M, 1])."""
-    from mfd_sglang.fp8 import FP8, FP8_MAX, SCALE_FLOOR
-
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows_triton takes a [rows, K] tensor with unit column stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")

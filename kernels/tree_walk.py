@@ -22,11 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.drafter import pow2
+from mfd_sglang.kernels.params import pow2
 from mfd_sglang.kernels.rank_keys import require_cuda
-from mfd_sglang.tree import DraftTree
-from mfd_sglang.tree_layout import VerifyLayout
-from mfd_sglang.verify import TreeVerifyResult
+from mfd_sglang.handoffs import DraftTree, TreeVerifyResult, VerifyLayout
 
 _TILE_CELLS = 64 * 64  # cells of a [rows, nodes] comparison tile: 32 a thread at 4 warps
 

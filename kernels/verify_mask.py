@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.drafter import pow2
+from mfd_sglang.kernels.params import pow2
 from mfd_sglang.kernels.rank_keys import require_cuda
 
 

@@ -45,13 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.drafter import VOCAB_SPLITS, VOCAB_TILE, pow2
+from mfd_sglang.kernels.params import VOCAB_SPLITS, VOCAB_TILE, pow2
 from mfd_sglang.kernels.bitonic import merge_top, merge_top_rows
 from mfd_sglang.kernels.rank_keys import (
     MIN_KEY, MIN_SHORT_KEY, is_interpreted, key_index, key_score, rank_key, require_cuda,
     short_key_to_rank_key, short_rank_key,
 )
-from mfd_sglang.tree import DraftCandidates
+from mfd_sglang.handoffs import DraftCandidates
 
 _TARGET_PROGRAMS = 512  # stage-1 programs aimed at: a few per SM of a large GPU
 _MAX_ROWS = 64  # rows per program at most (int32 keys; int64 half): bounds the key tile's registers

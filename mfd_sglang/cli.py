@@ -106,11 +106,52 @@ def _check(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def describe_drafter(ckpt) -> dict:
+    """A JSON-friendly summary of a drafter, for `inspect`: among it the bytes of its weights as stored
+    and as a server with --speculative-draft-model-quantization fp8 holds them (attention and MLP
+    linears in e4m3 with a float32 scale per output channel, the rest as stored)."""
+    from .serving.memory import drafter_weight_bytes
+
+    cfg = ckpt.config
+    params = sum(t.numel() for n, t in ckpt.weights.items() if n != "draft_vocab")
+    floating = [t for t in ckpt.weights.values() if t.is_floating_point()]
+    elements, dtype_bytes = sum(t.numel() for t in floating), ckpt.weights["fc.weight"].element_size()
+    default_path = "default_mode_embed" if cfg.default_mode is None else f"mode {cfg.default_mode}"
+    if cfg.num_modes == 1:
+        tree_rule = "DDTree: s(u) = sum_i log q_i(u_i) (one mode)"
+    elif cfg.mode_prior == "gate":
+        tree_rule = ("weighted: s(u) = max_k [log pi_k + sum_i log q_k,i(u_i)], pi = the mode gate (mode_prior.*) "
+                     "at each block's anchor")
+    else:
+        tree_rule = "uniform: s(u) = max_k sum_i log q_k,i(u_i) (no mode gate: every mode weighs 1)"
+    return {
+        "path": str(ckpt.path),
+        "kind": ckpt.kind,
+        "num_modes": cfg.num_modes,
+        "default_path": default_path,
+        "tree_rule": tree_rule,
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv x {cfg.head_dim}",
+        "block_size": cfg.block_size,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "mask_token_id": cfg.mask_token_id,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "parameters": params,
+        "dtype": str(ckpt.weights["fc.weight"].dtype).removeprefix("torch."),
+        "weight_bytes": drafter_weight_bytes(cfg, elements, dtype_bytes),
+        "weight_bytes_fp8": drafter_weight_bytes(cfg, elements, dtype_bytes, "fp8"),
+        "ignored_tensors": list(ckpt.ignored),
+        "unread_config_keys": list(cfg.unread_keys),
+    }
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import check_fits_target, describe, load_drafter
+    from .checkpoint import check_fits_target, load_drafter
 
     ckpt = load_drafter(args.path)
-    info = describe(ckpt)
+    info = describe_drafter(ckpt)
     if args.target:
         check_fits_target(ckpt, args.target)
         info["target"] = str(args.target)
@@ -414,12 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", nargs="+", type=int, default=[16, 64], help="tree budgets B (default 16 64)")
     p.add_argument("--log", type=Path, default=gpu_ledger.DEFAULT_LOG, help="GPU check log whose round rows the "
                    "launch floor is fitted to (default: the committed H200 log, "
-                   "benchmarks/results/fp8-draft-h200-2026-12-04.log)")
+                   "mfd_sglang/data/fp8-draft-h200-2026-12-04.log)")
     p.add_argument("--fit-on", nargs="+", choices=gpu_ledger.FIT_QUANTITIES, default=["ar_step_ms"],
                    help="the log's quantities the floor is fitted on (default ar_step_ms: the plain decode step); "
                    "residuals are printed for all")
     p.add_argument("--round-cost-predictions", metavar="JSON", help="write only what the GPU check sets beside its "
-                   "round_cost rows (each stage's launches and predicted ms of benchmarks/round_cost.py's round, "
+                   "round_cost rows (each stage's launches and predicted ms of mfd_sglang/round_cost.py's round, "
                    "every config, at --batch-sizes, the first of --shapes) to JSON and stop; scripts/gpu_check.sh "
                    "prepare writes .gpu-check-pair/round-cost-predictions.json")
     p.set_defaults(func=_gpu_ledger)

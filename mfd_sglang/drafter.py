@@ -51,17 +51,6 @@ from .tree import DraftCandidates, weigh_modes
 # Vocabulary rows scored at once when only the top candidates are needed: bounds the draft's
 # memory to [bs, K, D, VOCAB_CHUNK] logits (plus their sort) whatever the vocabulary size.
 VOCAB_CHUNK = 4096
-# The Triton backend's vocabulary rows per tile (at least B) and splits at most (below 2^23 rows): its
-# scratch holds B keys, a max and a sum per split of every row.
-VOCAB_TILE, VOCAB_SPLITS = 128, 128
-
-
-def pow2(n: int) -> int:
-    """n rounded up to a power of two, at least 2: the lanes of a bitonic network over n keys (>= 2 keeps every
-    top-k a real merge), e.g. the B keys a vocabulary split keeps."""
-    return 1 << max(1, (n - 1).bit_length())
-
-
 # The linears of every drafter layer that FP8 drafting quantizes (SGLang's DFlash draft model passes its
 # quantization config to these and keeps `fc` a plain linear).
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

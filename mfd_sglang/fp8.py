@@ -33,11 +33,7 @@ import torch
 from torch import nn
 
 from mfd_sglang.backend import check_backend
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# SGLang's per-token-group quantization floors max |x| here (an all-zero row: scale 1e-10 / 448, zeros).
-SCALE_FLOOR = 1e-10
+from mfd_sglang.kernels.params import FP8, FP8_MAX, SCALE_FLOOR
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,11 @@
 """GPU cost ledger: the CUDA kernels of MFD's own round stages (draft, tree, verify layout, verify input,
 accept, commit) as the serving worker runs them, at Qwen3-4B / Qwen3-8B drafter shapes, bs 1 / 8 / 32, MFD
 (K = 8) and MFD_D's single-mode path, B = 16 / 64; their predicted H200 time from `gpu_cost`'s model, its
-launch floor fitted to the committed H200 log (round_cost.py's measured round, traced the same way); the round
+launch floor fitted to the one H200 log (`mfd_sglang/data/`: `round_cost`'s measured round, traced the same way); the round
 at the default budget on CUDA (the schedule of `serving.budget_schedule`) beside a plain decode step for bs 1,
 4, 8, 16, 32, 64 (`default_budget_rows`); and the sm_90a / sm_80 compiles of every Triton kernel at its serving
 launch. What is counted and how: `gpu_cost`.
-Runs from a checkout (it reads benchmarks/round_cost.py's shapes and builders):
+Runs from an installed wheel (its shapes and builders are `mfd_sglang.round_cost`'s, the log is package data):
 
     python -m mfd_sglang gpu-ledger --out benchmarks/results/gpu-ledger-DATE
 """
@@ -19,12 +19,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import round_cost as rc
 from .gpu_cost import (FREE_OPS, H200, SERIAL_LOOPS, DeviceModel, Kernel, KernelTrace, TritonLaunch,
                        attach_issue_times, by_stage, compile_kernel, fit_launch_floor, issue_seconds, log_rows, patched,
                        predicted_seconds, roofline_seconds, summarize, triton_launches)
 
 # --- scenarios: the serving worker's stages and round_cost.py's round, on fake CUDA ----------------------
 
+# The folder above the package: a checkout's root, or site-packages (reports name the log relative to it).
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("draft", "tree", "layout", "verify_input", "accept", "commit")
 SHAPES = {"qwen3-4b": "qwen3_4b", "qwen3-8b": "qwen3_8b"}  # name -> round_cost.TargetConfig constructor
@@ -34,22 +36,8 @@ CONTEXT_LEN = 512  # committed tokens per request: round_cost's prompt length on
 DTYPE = torch.bfloat16
 
 
-def round_cost_module():
-    """benchmarks/round_cost.py of this checkout: the shapes and builders of the measured round (the ledger
-    runs from a checkout, as the benchmarks do)."""
-    import importlib.util
-    import sys
-
-    if "round_cost" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("round_cost", REPO / "benchmarks" / "round_cost.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["round_cost"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["round_cost"]
-
-
 def target_config(shape: str):
-    return getattr(round_cost_module().TargetConfig, SHAPES[shape])()
+    return getattr(rc.TargetConfig, SHAPES[shape])()
 
 
 @dataclass(frozen=True)
@@ -69,7 +57,6 @@ class Scenario:
 def meta_drafter(cfg, num_modes: int):
     """round_cost's random drafter for target config cfg, built on the meta device (no storage); the fake
     mode cannot convert a module's dtype itself (`fake_cuda` moves it in)."""
-    rc = round_cost_module()
     return rc.random_drafter(cfg, rc.spread_layer_ids(cfg.layers, cfg.draft_layers), num_modes, seed=num_modes,
                              device="meta", dtype=DTYPE)
 
@@ -154,10 +141,9 @@ _TORCH_GENERATOR = torch.Generator
 
 
 def trace_round_cost(config: str, bs: int, shape: str = "qwen3-4b") -> list[Kernel]:
-    """The kernels of round_cost.py's measured round (`SpecRound`: stages draft, tree, verify (the target's
-    forward included), commit, as captured on a GPU, B = round_cost.BUDGET) and of its plain decode step
+    """The kernels of round_cost's measured round (`SpecRound`: stages draft, tree (its layout included), verify
+    (the target's forward included), commit, as captured on a GPU, B = round_cost.BUDGET) and of its plain decode step
     (stage "ar_step"), at the GPU check's prompt length."""
-    rc = round_cost_module()
     cfg = target_config(shape)
     modes, single_mode = rc.CONFIGS[config]
     drafter = meta_drafter(cfg, modes)
@@ -165,7 +151,7 @@ def trace_round_cost(config: str, bs: int, shape: str = "qwen3-4b") -> list[Kern
         with patched(torch, "Generator", _cpu_generator):
             target = rc.StaticTarget(cfg, "cuda", DTYPE, seed=0)
         target.allocate(bs, CONTEXT_LEN + rc.BUDGET + 1)
-        # Joined on its (fake) CUDA weights as round_cost joins it on a GPU: the same fused steps.
+        # On its (fake) CUDA weights, in the serving draft stage on the Triton backend, as round_cost runs on a GPU.
         spec = rc.SpecRound(target, fake_cuda(drafter), budget=rc.BUDGET, single_mode=single_mode, backend="triton")
         roots = torch.zeros(bs, dtype=torch.int64, device="cuda")
         cache_lens = torch.full((bs,), CONTEXT_LEN, dtype=torch.int64, device="cuda")
@@ -174,9 +160,9 @@ def trace_round_cost(config: str, bs: int, shape: str = "qwen3-4b") -> list[Kern
         with trace.stage("draft"):
             candidates = spec.draft(roots, cache_lens)
         with trace.stage("tree"):
-            tree = spec.tree(candidates)
+            tree, layout = spec.tree(candidates, roots, cache_lens)
         with trace.stage("verify"):
-            result, features = spec.verify(tree, roots, cache_lens)
+            result, features = spec.verify(tree, layout, cache_lens)
         with trace.stage("commit"):
             spec.commit(result, features, cache_lens)
     return trace.kernels
@@ -189,7 +175,6 @@ def trace_target_forward(shape: str, bs: int, window: int) -> list[Kernel]:
     of a verify window, logits of every node (SGLang's verify; MFD's accept is the worker's own stage). A torch
     Qwen3 of ~1,900 launches a step, more than SGLang's fused target: what the ledger can model of the
     target, not SGLang's own forward."""
-    rc = round_cost_module()
     cfg = target_config(shape)
     with KernelTrace(CONTEXT_LEN) as trace:
         with patched(torch, "Generator", _cpu_generator):
@@ -215,7 +200,6 @@ def drafter_and_target_configs(shape: str) -> tuple:
     server reads them (`checkpoint.parse_drafter_config`, the target's config.json fields)."""
     from mfd_sglang.checkpoint import parse_drafter_config
 
-    rc = round_cost_module()
     cfg = target_config(shape)
     drafter = parse_drafter_config(rc.drafter_raw_config(cfg, rc.spread_layer_ids(cfg.layers, cfg.draft_layers),
                                                          NUM_MODES))
@@ -322,7 +306,8 @@ def project_kernels() -> set[str]:
 
 # --- the report: fit, ledger, compiles; JSON, Markdown, plot --------------------------------------------
 
-DEFAULT_LOG = REPO / "benchmarks" / "results" / "fp8-draft-h200-2026-12-04.log"
+# The one GPU log (GPU check part 2 on an H200, benchmarks/fp8_draft.py), shipped with the ledger it is fitted to.
+DEFAULT_LOG = Path(__file__).resolve().parent / "data" / "fp8-draft-h200-2026-12-04.log"
 FIT_QUANTITIES = ("ar_step_ms", "draft_ms", "round_ms")  # the log's measured columns
 
 
@@ -335,7 +320,7 @@ def fit_rows(log: Path, compiles: dict, device: DeviceModel = H200) -> list[dict
         attach_issue_times(kernels, compiles, device)
         stages = by_stage(kernels)
         parts = {"ar_step_ms": stages["ar_step"], "draft_ms": stages["draft"],
-                 "round_ms": [k for name in round_cost_module().STAGES for k in stages[name]]}
+                 "round_ms": [k for name in rc.STAGES for k in stages[name]]}
         for quantity, part in parts.items():
             label = f"bs {measured['bs']} plain decode step" if quantity == "ar_step_ms" else (
                 f"{measured['config']} bs {measured['bs']} {quantity.removesuffix('_ms')}")
@@ -419,7 +404,6 @@ def round_cost_predictions(batch_sizes=(1, 32), shape: str = "qwen3-4b", log: Pa
     """What the GPU check sets beside its round_cost rows: per config of round_cost.py and batch size, each
     stage's launches and predicted ms (`trace_round_cost`; the launch floor fitted on the log's plain decode
     steps, as the ledger's default)."""
-    rc = round_cost_module()
     compiles: dict = {}
     traced: dict = {}
 

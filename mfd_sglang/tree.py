@@ -35,41 +35,13 @@ Conventions of `DraftTree`:
     depth 1, score -inf, mode 0.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 from torch import Tensor
 
 from mfd_sglang.backend import check_backend
-
-
-@dataclass
-class DraftTree:
-    """A draft tree of N nodes; every tensor is [N] or, batched, [bs, N]."""
-
-    tokens: Tensor  # int64
-    parents: Tensor  # int64, node index of the parent, -1 for a child of the root
-    depths: Tensor  # int64, 1-based
-    scores: Tensor  # best-mode (weighted) log-prob of the node's path, float32 (float64 for float64 in)
-    modes: Tensor  # int64, the mode achieving `scores`
-    valid: Tensor  # bool, False only for padding
-
-
-@dataclass
-class DraftCandidates:
-    """Per (mode, depth) the C best tokens of the drafter and their log-probabilities, best first,
-    equal log-probabilities in token-id order (what `top_candidates` takes from full log-probs).
-    Mode weights added after the ranking (`weigh_modes`) shift a whole (mode, depth 1) row: its order
-    stays, and two values its rounding makes equal keep their earlier order.
-
-    logprobs [bs, K, D, C] float32 (float64 for float64 input); tokens [bs, K, D, C] int64 ids in
-    [0, vocab); vocab: the size of the vocabulary they were ranked over. A tree of budget B reads
-    the first min(B, vocab) candidates, so C >= min(B, vocab) is required.
-    """
-
-    logprobs: Tensor
-    tokens: Tensor
-    vocab: int
+from mfd_sglang.handoffs import DraftCandidates, DraftTree
 
 
 def top_candidates(logprobs: Tensor, count: int) -> DraftCandidates:

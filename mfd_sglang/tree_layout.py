@@ -11,27 +11,11 @@ backend (`mfd_sglang.backend`) the layout is one launch (`mfd_sglang.kernels.tre
 two (`mfd_sglang.kernels.verify_mask`), bit-identical to the torch references here.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from mfd_sglang.backend import check_backend
-from mfd_sglang.tree import DraftTree
-
-
-@dataclass
-class VerifyLayout:
-    """Inputs of SGLang's tree verify for bs requests of N = budget + 1 nodes each (every field is
-    per request, so a batch's layout is the rows of its requests; SGLang takes draft_token and
-    positions flattened)."""
-
-    draft_token: Tensor  # [bs, N] int64, the root token then the node tokens
-    positions: Tensor  # [bs, N] int64, seq_len + depth (root depth 0)
-    retrive_index: Tensor  # [bs, N] int64, b * N + local index
-    retrive_next_token: Tensor  # [bs, N] int64, local index of the first child, -1 if none
-    retrive_next_sibling: Tensor  # [bs, N] int64, local index of the next sibling, -1 if none
-    ancestor_mask: Tensor  # [bs, N, N] bool, [b, i, j]: local j is an ancestor of, or is, local i
+from mfd_sglang.handoffs import DraftTree, VerifyLayout
 
 
 def with_root(root_value, nodes: Tensor) -> Tensor:

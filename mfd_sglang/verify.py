@@ -27,22 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mfd_sglang.tree import DraftTree
+from mfd_sglang.handoffs import DraftTree, TreeVerifyResult
 from mfd_sglang.tree_layout import local_parents, runs_triton, tree_ancestor_mask, with_root
-
-
-@dataclass
-class TreeVerifyResult:
-    """Outcome per request. A path holds at most budget draft tokens, so the fixed width of the
-    per-token tensors is budget + 1 columns (draft tokens plus the bonus)."""
-
-    accept_lens: Tensor  # [bs] int64, accepted draft tokens + 1 (the bonus)
-    # [bs, budget + 1] int64: the accepted draft tokens in depth order, the bonus, then -1s.
-    accepted_tokens: Tensor
-    # [bs, budget + 1] int64: local indices of the accepted tree nodes in depth order (column d
-    # holds the node at depth d + 1; the root is never listed), then -1s.
-    accepted_local_indices: Tensor
-    bonus_tokens: Tensor  # [bs] int64, the target's token after the last accepted node
 
 
 @dataclass

@@ -19,12 +19,11 @@ from safetensors.torch import save_file
 from mfd_sglang.checkpoint import (
     CheckpointError,
     check_fits_target,
-    describe,
     expected_shapes,
     load_drafter,
     parse_drafter_config,
 )
-from mfd_sglang.cli import main
+from mfd_sglang.cli import describe_drafter, main
 from mfd_sglang.drafter import MFDDrafter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,7 +235,7 @@ def test_default_mode_explicit_index(tmp_path):
     weights = mfd_weights(raw, num_modes=4)
     ckpt = load_drafter(write(tmp_path / "d", raw, weights))
     assert ckpt.config.default_mode == 2
-    assert describe(ckpt)["default_path"] == "mode 2"
+    assert describe_drafter(ckpt)["default_path"] == "mode 2"
     drafter = MFDDrafter.from_checkpoint(ckpt)
     assert drafter.default_mode_embed is None
     assert torch.equal(drafter.mode_vectors(single_mode=True), weights["mode_embed"][2:3])
@@ -249,7 +248,7 @@ def test_default_mode_embed_tensor(tmp_path, mfd_config):
     weights["default_mode_embed"] = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(9))
     ckpt = load_drafter(write(tmp_path / "d", raw, weights))
     assert ckpt.config.default_mode is None
-    assert describe(ckpt)["default_path"] == "default_mode_embed"
+    assert describe_drafter(ckpt)["default_path"] == "default_mode_embed"
     drafter = MFDDrafter.from_checkpoint(ckpt)
     assert torch.equal(drafter.mode_vectors(single_mode=True), weights["default_mode_embed"][None])
     assert_round_trip(ckpt, {n: t for n, t in weights.items() if n != "mode_gate.weight"})
@@ -261,7 +260,7 @@ def test_draft_vocab(tmp_path):
     weights["draft_vocab"] = torch.tensor([0, 3, 4, 10, 57, VOCAB - 1], dtype=torch.int64)
     ckpt = load_drafter(write(tmp_path / "d", raw, weights))
     assert ckpt.config.draft_vocab_size == 6
-    assert describe(ckpt)["draft_vocab_size"] == 6
+    assert describe_drafter(ckpt)["draft_vocab_size"] == 6
     assert torch.equal(ckpt.weights["draft_vocab"], weights["draft_vocab"])
 
 
@@ -578,7 +577,7 @@ def test_inspect_prints_description(mfd_dir, capsys):
     out, err = capsys.readouterr()
     assert err == ""
     rows = dict(line.split(None, 1) for line in out.strip().splitlines())
-    info = describe(load_drafter(mfd_dir))
+    info = describe_drafter(load_drafter(mfd_dir))
     assert set(rows) == set(info)
     assert rows["kind"].strip() == "mfd"
     assert rows["num_modes"].strip() == "4"

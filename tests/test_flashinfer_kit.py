@@ -205,7 +205,7 @@ def test_build_driver_records_every_module_when_its_deadline_has_passed(jit_sour
 def test_compiled_shapes_are_the_visit_pairs_shapes():
     """The tiny pair's target and the Qwen3-4B-width pair gpu_check.py serves have the compiled head shapes."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from round_cost import TargetConfig
+    from mfd_sglang.round_cost import TargetConfig
 
     from mfd_sglang.lab.tiny import build_tokenizer, target_config
 

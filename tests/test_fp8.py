@@ -241,7 +241,7 @@ def test_the_gpu_checks_fp8_section_runs_on_cpu(tmp_path):
     operands, and the round rows have both drafters' draft and round times at bs 2 for MFD and MFD_D, the FP8
     round replayed equal to the eager one; the part passes."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from round_cost import TargetConfig, drafter_raw_config
+    from mfd_sglang.round_cost import TargetConfig, drafter_raw_config
 
     from mfd_sglang.checkpoint import parse_drafter_config
 
@@ -272,7 +272,8 @@ def test_memory_plan_and_inspect_count_the_fp8_weights(tiny_pair):
     module holds (e4m3 linears, float32 scales, the rest in the serving dtype), in bf16 and fp32 serving;
     the quantized linears' bytes halve in bf16; the plan's working set grows by the activation
     quantization's, and its log line says so."""
-    from mfd_sglang.checkpoint import describe, load_drafter
+    from mfd_sglang.checkpoint import load_drafter
+    from mfd_sglang.cli import describe_drafter
     from mfd_sglang.serving.memory import drafter_weight_bytes, memory_plan
 
     ckpt = load_drafter(tiny_pair / "drafter")
@@ -297,7 +298,7 @@ def test_memory_plan_and_inspect_count_the_fp8_weights(tiny_pair):
     linear_bytes = lambda drafter: sum(getattr(layer, name).weight.nbytes for layer in drafter.layers
                                        for name in FP8_LINEARS)
     assert linear_bytes(bf16) == 2 * linear_bytes(bf16_fp8)
-    info = describe(ckpt)
+    info = describe_drafter(ckpt)
     stored = MFDDrafter.from_checkpoint(ckpt)
     assert info["weight_bytes"] == module_weight_bytes(stored)
     assert info["weight_bytes_fp8"] == module_weight_bytes(MFDDrafter.from_checkpoint(ckpt, fp8_linears=True))

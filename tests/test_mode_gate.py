@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from mfd_sglang.checkpoint import CheckpointError, describe, load_drafter
+from mfd_sglang.checkpoint import CheckpointError, load_drafter
+from mfd_sglang.cli import describe_drafter
 from mfd_sglang.cli import main
 from mfd_sglang.drafter import DraftContext, MFDDrafter, ModeSubset, Rope, rms_norm
 from mfd_sglang.hf import SamplingParams, SpeculativeGenerator, load_target, plain_greedy
@@ -47,10 +48,10 @@ def test_without_a_gate_the_rule_is_uniform_and_the_release_gate_stays_ignored(t
     raw = zlab_config()
     release = load_drafter(write(tmp_path / "release", raw, mfd_weights(raw, num_modes=K)))  # mode_gate.weight
     assert release.config.mode_prior == "uniform" and release.ignored == ("mode_gate.weight",)
-    assert describe(release)["tree_rule"].startswith("uniform: s(u) = max_k sum_i")
+    assert describe_drafter(release)["tree_rule"].startswith("uniform: s(u) = max_k sum_i")
     assert MFDDrafter.from_checkpoint(release).mode_prior is None
     dflash = load_drafter(write(tmp_path / "dflash", raw, dflash_weights(raw)))
-    assert dflash.config.mode_prior == "uniform" and describe(dflash)["tree_rule"].startswith("DDTree")
+    assert dflash.config.mode_prior == "uniform" and describe_drafter(dflash)["tree_rule"].startswith("DDTree")
 
 
 def _tensor(name, value):

@@ -5,23 +5,15 @@ target's own greedy tokens. The commit stage is the SGLang worker's own (`commit
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from round_cost import (  # noqa: E402
-    CONFIGS, STAGES, SpecRound, StaticTarget, TargetConfig, capture_round, graphs_match_eager, random_drafter,
-    round_cost_rows,
-)
-
-from mfd_sglang.serving.commit import commit_round  # noqa: E402
-from mfd_sglang.serving.draft_context_pool import DraftContextPool  # noqa: E402
-from mfd_sglang.tree import build_mixture_tree  # noqa: E402
-from mfd_sglang.tree_layout import tree_ancestor_mask  # noqa: E402
-from mfd_sglang.verify import TreeVerifyResult  # noqa: E402
+from mfd_sglang.round_cost import (CONFIGS, STAGES, SpecRound, StaticTarget, TargetConfig, capture_round,
+                                   graphs_match_eager, random_drafter, round_cost_rows)
+from mfd_sglang.serving.commit import commit_round
+from mfd_sglang.serving.draft_context_pool import DraftContextPool
+from mfd_sglang.tree import build_mixture_tree
+from mfd_sglang.tree_layout import tree_ancestor_mask
+from mfd_sglang.verify import TreeVerifyResult
 
 CFG = TargetConfig.tiny()
 

@@ -80,3 +80,18 @@ def test_the_installed_console_script_and_the_demo_without_a_drafter(wheel_venv)
     out = run_in(wheel_venv, "mfd-sglang", "demo")
     assert out.returncode == 2
     assert "not in an installed wheel)" in out.stderr and "pass --drafter DIR" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_installed_ledger_runs_its_round_and_fits_its_log(wheel_venv):
+    """The GPU cost ledger from the wheel alone: its measured round (`mfd_sglang.round_cost`, the serving stages
+    on fake CUDA tensors) and the H200 log it is fitted to (package data) come with the install."""
+    venv, _ = wheel_venv
+    out = run_in(wheel_venv, "python", "-c", (
+        "from mfd_sglang import gpu_ledger\n"
+        "assert gpu_ledger.DEFAULT_LOG.is_file(), gpu_ledger.DEFAULT_LOG\n"
+        "stages = gpu_ledger.by_stage(gpu_ledger.trace_round_cost('mfd', 1))\n"
+        "print(gpu_ledger.DEFAULT_LOG, sorted(stages), 1e6 * gpu_ledger.plain_step_floor())"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    log, *_ = out.stdout.splitlines()[-1].split()
+    assert log.startswith(str(venv)), out.stdout  # the installed copy's package data
+    assert "['ar_step', 'commit', 'draft', 'tree', 'verify'] " in out.stdout, out.stdout

@@ -30,12 +30,13 @@ import logging
 import os
 from pathlib import Path
 
+from .options import attention_dp_size
+
 logger = logging.getLogger(__name__)
 
 
 def resolve_server_args(server_args) -> None:
     """Fill the SGLang fields MFD implies (called on SGLang's recording stand-in at launch)."""
-    from .memory import plan_launch_memory
     from .options import default_num_draft_tokens
     from .target_checks import disable_splitkv_verify
 
@@ -81,6 +82,43 @@ def resolve_server_args(server_args) -> None:
 TREE_VERIFY_ATTENTION_BACKENDS = {"cuda": ("flashinfer", "triton"), "cpu": ("mfd_cpu", "triton")}
 
 
+def plan_launch_memory(server_args) -> None:
+    """At launch (SGLang's handle_server_args stage): the plan of the drafter at
+    --speculative-draft-model-path, logged (every scheduler's worker logs the plan it computes from the same
+    arguments: the two lines agree) and on an accelerator reserved through `reserve_in_mem_fraction`. With
+    the default budget on CUDA, the schedule in force is logged too, and its windows planned
+    (`budget_schedule`)."""
+    from sglang.srt.utils.common import get_device_memory_capacity
+
+    from mfd_sglang.checkpoint import load_drafter
+
+    from .budget_schedule import budget_schedule, varying_budgets
+    from .memory import drafter_memory_plan, reserve_in_mem_fraction
+    from .options import budget_from_num_draft_tokens, read_options
+
+    options = read_options(server_args)
+    target = target_config(server_args)
+    ckpt = load_drafter(server_args.speculative_draft_model_path)
+    budget = budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
+    schedule = budget_schedule(server_args, options, ckpt.config, target, budget=budget,
+                               algorithm=str(server_args.speculative_algorithm).upper())
+    if schedule is not None:
+        logger.info("MFD budget (no --speculative-num-draft-tokens, no --mfd-auto-budget): %s; pass "
+                    "--speculative-num-draft-tokens N for a fixed budget", schedule.describe())
+    plan = drafter_memory_plan(server_args, ckpt, budget=budget, vocab=target["vocab_size"],
+                               tied_embeddings=bool(target.get("tie_word_embeddings")),
+                               dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
+                               num_modes=options.num_modes,
+                               verify_budgets=varying_budgets(options.auto_budget, schedule, budget), schedule=schedule)
+    logger.info("MFD memory at launch: %s", plan.describe(int(server_args.max_running_requests)))
+    if str(server_args.device) == "cpu":
+        return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher
+    # The raw input tells whether the user set the fraction (the resolved value is always set).
+    raw = getattr(server_args, "_raw_input", None) or {}
+    reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),
+                            user_set=raw.get("mem_fraction_static") is not None)
+
+
 def resolve_attention_backend(server_args) -> None:
     """SGLang has already picked the attention backends when the algorithm's hook runs (on Hopper
     often fa3). On a GPU, switch to FlashInfer when they cannot verify a tree (Triton where FlashInfer
@@ -107,17 +145,6 @@ def resolve_attention_backend(server_args) -> None:
     server_args.attention_backend = backend
     server_args.prefill_attention_backend = None
     server_args.decode_attention_backend = None
-
-
-def attention_dp_size(server_args) -> int:
-    """The attention data-parallel width of `server_args`, in either spelling: SGLang 0.5.23's first
-    resolution hook (`arg_groups/parallel_hook.py::handle_deprecated_dp_attention`) rewrites
-    `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1` long before an algorithm's
-    check runs; arguments that did not go through it still carry the old spelling."""
-    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
-    if getattr(server_args, "enable_dp_attention", False) and attn_dp == 1:
-        return int(getattr(server_args, "dp_size", 1) or 1)
-    return attn_dp
 
 
 def attention_dp_problems(server_args) -> list[str]:

@@ -25,11 +25,11 @@ token, which is exactly what `DraftContextPool` holds per KV slot). What it does
 `MemoryPlan.extra_bytes(bs)` is their sum at batch bs: an upper bound of what the plugin allocates
 outside SGLang's plan (under the default budget schedule on CUDA, `MemoryPlan.rounds`, the working sets are
 those of the largest round of at most bs requests at the budget and modes the schedule plays for it: the
-schedule shrinks the tree as the batch grows, so the largest round is far below bs requests at B), held against measured allocations by `benchmarks/draft_memory.py` (the draft) and
-`benchmarks/verify_memory.py` (the verify) and their tests.
-At launch (`reserve_in_mem_fraction`) it is taken out of SGLang's default `--mem-fraction-static` for
-`--max-running-requests`, so the KV pool leaves room for it; a fraction the user set is left alone
-and a warning says what MFD needs.
+schedule shrinks the tree as the batch grows, so the largest round is far below bs requests at B), held
+against measured allocations by `benchmarks/draft_memory.py` (the draft) and `benchmarks/verify_memory.py`
+(the verify) and their tests. At launch (`launch.plan_launch_memory`, `reserve_in_mem_fraction`) it is taken
+out of SGLang's default `--mem-fraction-static` for `--max-running-requests`, so the KV pool leaves room for
+it; a fraction the user set is left alone and a warning says what MFD needs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import math
 from dataclasses import dataclass, replace
 
 from mfd_sglang.checkpoint import DrafterConfig
-from mfd_sglang.drafter import VOCAB_CHUNK, VOCAB_SPLITS, VOCAB_TILE, fp8_linear_shapes, pow2
+from mfd_sglang.drafter import VOCAB_CHUNK, fp8_linear_shapes
+from mfd_sglang.kernels.params import VOCAB_SPLITS, VOCAB_TILE, pow2
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +293,7 @@ def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embe
     vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_budgets: the budgets whose
     tree-verify graphs are captured beside the launch one's (`budget_schedule.varying_budgets`; empty: none);
     schedule: the default `budget_schedule.BudgetSchedule` in force, whose rounds size the working sets."""
-    from .launch import attention_dp_size
-    from .options import draft_quantization
+    from .options import attention_dp_size, draft_quantization
 
     graphs = verify_graph_plan(server_args, budget, verify_budgets) if verify_budgets else None
     # The vocabulary is sharded over the ranks that run one batch: the attention-TP group under attention DP.
@@ -307,40 +307,3 @@ def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embe
         return plan
     # Under attention DP a rank drafts its own requests' path at the budget of every rank's: any path.
     return replace(plan, rounds=schedule.rounds(every_path=attention_dp_size(server_args) > 1))
-
-
-def plan_launch_memory(server_args) -> None:
-    """At launch (SGLang's handle_server_args stage): the plan of the drafter at
-    --speculative-draft-model-path, logged (every scheduler's worker logs the plan it computes from the same
-    arguments: the two lines agree) and on an accelerator reserved through `reserve_in_mem_fraction`. With
-    the default budget on CUDA, the schedule in force is logged too, and its windows planned
-    (`budget_schedule`)."""
-    from sglang.srt.utils.common import get_device_memory_capacity
-
-    from mfd_sglang.checkpoint import load_drafter
-
-    from .budget_schedule import budget_schedule, varying_budgets
-    from .launch import target_config
-    from .options import budget_from_num_draft_tokens, read_options
-
-    options = read_options(server_args)
-    target = target_config(server_args)
-    ckpt = load_drafter(server_args.speculative_draft_model_path)
-    budget = budget_from_num_draft_tokens(server_args.speculative_num_draft_tokens)
-    schedule = budget_schedule(server_args, options, ckpt.config, target, budget=budget,
-                               algorithm=str(server_args.speculative_algorithm).upper())
-    if schedule is not None:
-        logger.info("MFD budget (no --speculative-num-draft-tokens, no --mfd-auto-budget): %s; pass "
-                    "--speculative-num-draft-tokens N for a fixed budget", schedule.describe())
-    plan = drafter_memory_plan(server_args, ckpt, budget=budget, vocab=target["vocab_size"],
-                               tied_embeddings=bool(target.get("tie_word_embeddings")),
-                               dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
-                               num_modes=options.num_modes,
-                               verify_budgets=varying_budgets(options.auto_budget, schedule, budget), schedule=schedule)
-    logger.info("MFD memory at launch: %s", plan.describe(int(server_args.max_running_requests)))
-    if str(server_args.device) == "cpu":
-        return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher
-    # The raw input tells whether the user set the fraction (the resolved value is always set).
-    raw = getattr(server_args, "_raw_input", None) or {}
-    reserve_in_mem_fraction(server_args, plan, get_device_memory_capacity(str(server_args.device)),
-                            user_set=raw.get("mem_fraction_static") is not None)

@@ -205,6 +205,17 @@ def read_options(server_args=None, environ=None) -> MFDOptions:
     )
 
 
+def attention_dp_size(server_args) -> int:
+    """The attention data-parallel width of `server_args`, in either spelling: SGLang 0.5.23's first
+    resolution hook (`arg_groups/parallel_hook.py::handle_deprecated_dp_attention`) rewrites
+    `--dp-size N --enable-dp-attention` into `attn_dp_size=N, dp_size=1` long before an algorithm's
+    check runs; arguments that did not go through it still carry the old spelling."""
+    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False) and attn_dp == 1:
+        return int(getattr(server_args, "dp_size", 1) or 1)
+    return attn_dp
+
+
 # --speculative-draft-model-quantization values MFD's drafter runs (None: the serving dtype).
 DRAFT_QUANTIZATIONS = (None, "fp8")
 

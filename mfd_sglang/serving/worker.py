@@ -52,9 +52,8 @@ from .budget_schedule import budget_schedule, varying_budgets
 from .calibration import placeholder_verify_batch
 from .commit import commit_round
 from .draft_stage import DraftStage
-from .launch import attention_dp_size
 from .memory import drafter_memory_plan
-from .options import budget_from_num_draft_tokens, draft_quantization, read_options
+from .options import attention_dp_size, budget_from_num_draft_tokens, draft_quantization, read_options
 from .outputs import first_token_outputs, round_outputs
 from .target_checks import check_target_runner, check_tree_verify_attention
 from .tree_verify import VerifiedTree, idle_verify, layout_verify_input, reserved_lens, verify_tree

@@ -15,6 +15,7 @@ per-stage breakdown. Target (issue): MFD at bs = 1 costs at most 1.45 decode ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +24,13 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.cuda_graph import capture
 from mfd_sglang.drafter import MFDDrafter, rope_cos_sin
+from mfd_sglang.handoffs import DraftCandidates, DraftTree, TreeVerifyResult, VerifyLayout
+from mfd_sglang.serving.budget import Arm
 from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
+from mfd_sglang.serving.draft_stage import DraftStage
 from mfd_sglang.timing import mean_ms
-from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree
-from mfd_sglang.tree_layout import tree_ancestor_mask
-from mfd_sglang.verify import TreeVerifyResult, verify_tree_greedy
+from mfd_sglang.verify import verify_tree_greedy
 
 BUDGET = 64
 STAGES = ("draft", "tree", "verify", "commit")
@@ -205,25 +207,33 @@ def random_drafter(c: TargetConfig, target_layer_ids: list[int], num_modes: int,
 
 
 class SpecRound:
-    """One speculative round over static buffers, a function per stage (each is captured alone)."""
+    """One speculative round over static buffers, a function per stage (each is captured alone). The draft and
+    the tree are the serving stage's own (`DraftStage.candidates`, `DraftStage.tree_of`: its drafter joined on
+    the round's backend, its context pool indexed by KV slot, here request b's position p at slot
+    b * max_len + p), the accept walk and the commit the worker's (`verify_tree_greedy`, `commit_round`): a
+    timed stage is the server's."""
 
     def __init__(self, target: StaticTarget, drafter: MFDDrafter, *, budget: int, single_mode: bool, backend: str):
-        # Joined, its steps on the round's backend, as the serving stage holds it (`DraftStage`).
-        self.target, self.drafter, self.budget = target, drafter.join_projections(backend), budget
-        self.single_mode, self.backend = single_mode, backend
+        self.target, self.budget, self.arm = target, budget, Arm(single_mode, budget)
         bs, max_len = target.k_cache.shape[1], target.slots.shape[0]
-        # The drafter's context K/V as in the SGLang worker: a pool indexed by KV slot (here request
-        # b's position p is slot b * max_len + p), read in place by the mode attention (the fused
-        # Triton kernel on CUDA, its torch reference elsewhere).
-        self.context = DraftContextPool(drafter, bs * max_len, device=target.device, dtype=target.dtype)
+        self.stage = DraftStage(drafter, target.embed, drafter.head_weight(target.lm_head), backend=backend)
         self.req_to_token = torch.arange(bs * max_len, device=target.device, dtype=torch.int32).view(bs, max_len)
+        self.stage.init_context_pool(bs * max_len, SimpleNamespace(req_to_token=self.req_to_token),
+                                     device=target.device, dtype=target.dtype)
         self.requests = torch.arange(bs, device=target.device)
-        self.head_weight = drafter.head_weight(target.lm_head)
+
+    @property
+    def drafter(self) -> MFDDrafter:
+        return self.stage.drafter
+
+    @property
+    def context(self) -> DraftContextPool:
+        return self.stage.context_pool
 
     def write_context(self, features, positions) -> None:
         """Drafter context K/V of target features [bs, T, n*H] at positions [bs, T]."""
         slots = self.req_to_token.gather(1, positions).long()
-        self.context.write(self.drafter, features.flatten(0, 1), positions.flatten(), slots.flatten())
+        self.stage.write_context(features.flatten(0, 1), positions.flatten(), slots.flatten())
 
     def prefill(self, prompts):
         """Returns the first roots (the target's token after each prompt) and cache_lens [bs]."""
@@ -232,24 +242,19 @@ class SpecRound:
         return logits.argmax(-1), torch.full_like(logits[:, 0], prompts.shape[1], dtype=torch.long)
 
     def draft(self, roots, cache_lens) -> DraftCandidates:
-        """The B best tokens per (mode, position) of the blocks `[root, MASK x D]` at positions
-        cache_lens.., as the SGLang worker drafts (`DraftStage.candidates`)."""
-        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.backend)
-        return self.drafter.block_candidates(roots, cache_lens, context, self.target.embed, self.head_weight,
-                                             self.budget, single_mode=self.single_mode, backend=self.backend)
+        """The B best tokens per (mode, position) of the blocks `[root, MASK x D]` at positions cache_lens..,
+        over the context read in place (`DraftStage.paged_tree`'s draft)."""
+        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.stage.backend)
+        return self.stage.candidates(roots, cache_lens, context, self.arm)
 
-    def tree(self, candidates: DraftCandidates) -> DraftTree:
-        tree = build_mixture_tree(candidates, self.budget, backend=self.backend)
-        tree.tokens = self.drafter.to_target_ids(tree.tokens)
-        return tree
+    def tree(self, candidates: DraftCandidates, roots, cache_lens) -> tuple[DraftTree, VerifyLayout]:
+        """The mixture tree of the candidates and its verify layout (`DraftStage.tree_of`)."""
+        return self.stage.tree_of(candidates, roots, cache_lens, self.budget)
 
-    def verify(self, tree: DraftTree, roots, cache_lens):
-        """The target over [root, tree nodes] in one pass, and the greedy walk of the tree."""
-        tokens = torch.cat([roots[:, None], tree.tokens], dim=1)
-        depths = torch.cat([torch.zeros_like(tree.depths[:, :1]), tree.depths], dim=1)
-        logits, features = self.target.verify(tokens, cache_lens[:, None] + depths, tree_ancestor_mask(tree),
-                                              cache_lens)
-        return verify_tree_greedy(tree, logits, self.backend), features
+    def verify(self, tree: DraftTree, layout: VerifyLayout, cache_lens):
+        """The target over [root, tree nodes] in one pass under the layout's tree mask, and the greedy walk."""
+        logits, features = self.target.verify(layout.draft_token, layout.positions, layout.ancestor_mask, cache_lens)
+        return verify_tree_greedy(tree, logits, self.stage.backend), features
 
     def commit(self, result: TreeVerifyResult, features, cache_lens):
         """Root + accepted nodes into the target cache and the drafter context (the SGLang worker's
@@ -282,9 +287,9 @@ def capture_round(spec: SpecRound, roots, cache_lens, *, use_graph: bool) -> Rou
     replays = {}
     replays["draft"], candidates = capture(spec.draft, roots, cache_lens, use_graph=use_graph)
     replays["draft"]()
-    replays["tree"], tree = capture(spec.tree, candidates, use_graph=use_graph)
+    replays["tree"], (tree, layout) = capture(spec.tree, candidates, roots, cache_lens, use_graph=use_graph)
     replays["tree"]()
-    replays["verify"], (result, features) = capture(spec.verify, tree, roots, cache_lens, use_graph=use_graph)
+    replays["verify"], (result, features) = capture(spec.verify, tree, layout, cache_lens, use_graph=use_graph)
     replays["verify"]()
     replays["commit"], (next_roots, next_lens) = capture(spec.commit, result, features, cache_lens,
                                                          use_graph=use_graph)
@@ -305,8 +310,8 @@ def graphs_match_eager(spec: SpecRound, graphs: RoundGraphs, roots, cache_lens) 
     replayed = [t.clone() for t in round_state(spec)]
     for t, saved in zip(round_state(spec), before):
         t.copy_(saved)
-    tree = spec.tree(spec.draft(roots, cache_lens))
-    result, features = spec.verify(tree, roots, cache_lens)
+    tree, layout = spec.tree(spec.draft(roots, cache_lens), roots, cache_lens)
+    result, features = spec.verify(tree, layout, cache_lens)
     next_roots, next_lens = spec.commit(result, features, cache_lens)
     outputs = [(tree.tokens, graphs.tree.tokens), (result.accepted_tokens, graphs.result.accepted_tokens),
                (next_roots, graphs.next_roots), (next_lens, graphs.next_lens)]
