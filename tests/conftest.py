@@ -16,6 +16,23 @@ from mfd_sglang.lab.tiny import make_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (scripts/test.sh: two workers on this 2-core machine) a worker and the servers it starts take
+# one OpenMP thread each: two workers' default threads would contend for the same two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The modules that take longest (minutes: servers, kits, the interpreter), handed out first so that the workers
+# finish together (xdist's loadfile hands modules out in collection order); the others keep theirs.
+LONGEST_FIRST = ("test_device_kit", "test_released_formats", "test_self_check", "test_mfd_server", "test_scale_out",
+                 "test_pd_disaggregation", "test_tp_server", "test_sglang_kits", "test_request_features_server",
+                 "test_sampling_server", "test_flashinfer_kit", "test_benchmarks")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest in their order
+
 # The start of a `python -c` probe run as on an H200 (torch.cuda forced available; sglang.srt.utils.is_cuda()
 # also needs torch.version.cuda, which a CUDA build of torch has): it imports every module named in the JSON
 # list sys.argv[1] and keeps each failure's traceback in `failures`.
