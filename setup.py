@@ -6,7 +6,8 @@ setup(
     description="Multi-Future Drafting speculative decoding as an SGLang plugin",
     python_requires=">=3.10",
     packages=["mfd_sglang", "mfd_sglang.check", "mfd_sglang.cpu", "mfd_sglang.lab", "mfd_sglang.lab.multimodal",
-              "mfd_sglang.serving", "mfd_sglang.kernels", "mfd_sglang.patches"],
+              "mfd_sglang.serving", "mfd_sglang.serving.budget",
+              "mfd_sglang.serving.launch", "mfd_sglang.kernels", "mfd_sglang.patches"],
     # The pure-torch `sgl_kernel` stand-in: put on sys.path by mfd_sglang.cpu, never installed as `sgl_kernel`.
     # The one GPU log the cost ledger's launch floor is fitted to (python -m mfd_sglang gpu-ledger).
     package_data={"mfd_sglang": ["data/*.log"],

@@ -1,4 +1,4 @@
-"""Measured allocations of one MFD draft + tree round against `mfd_sglang.serving.memory`'s plan.
+"""Measured allocations of one MFD draft + tree round against `mfd_sglang.serving.launch.memory`'s plan.
 
     python benchmarks/draft_memory.py --batch-sizes 1 2 4            # on CPU (or --device cuda)
     python benchmarks/draft_memory.py --batch-sizes 1 --full          # the old full-vocabulary path
@@ -44,7 +44,7 @@ def measure(bs: int, device: str, full: bool) -> dict:
     from mfd_sglang.checkpoint import parse_drafter_config
     from mfd_sglang.drafter import MFDDrafter
     from mfd_sglang.serving.draft_context_pool import DraftContextPool
-    from mfd_sglang.serving.memory import memory_plan
+    from mfd_sglang.serving.launch.memory import memory_plan
     from mfd_sglang.tree import build_mixture_tree
     from mfd_sglang.tree_layout import tree_to_verify_layout
 

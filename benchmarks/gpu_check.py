@@ -106,7 +106,7 @@ def check_accept_without_sync(check: Check) -> Iterator[dict]:
     top-p, min-p, seeds) and the draft scoring in vocabulary chunks, each under CUDA sync debug mode
     "error": a host sync there would stall the scheduler's overlap. On a CPU the cases run, unchecked."""
     from mfd_sglang.drafter import vocab_candidates
-    from mfd_sglang.verify import Sampling, random_seeds, verify_tree_greedy, verify_tree_sampling
+    from mfd_sglang.acceptance import Sampling, random_seeds, verify_tree_greedy, verify_tree_sampling
 
     device = check.device
     bs, k, d, v, budget = (16, 8, 15, 151936, 64) if check.cuda else (2, 2, 3, 50, 8)
@@ -140,7 +140,7 @@ def check_accept_without_sync(check: Check) -> Iterator[dict]:
 
 
 def check_vocab_kernel(check: Check) -> Iterator[dict]:
-    """The fused lm_head + top-B Triton kernels (`kernels/vocab_candidates.py`, the draft's on CUDA)
+    """The fused lm_head + top-B Triton kernels (`kernels/draft_vocab.py`, the draft's on CUDA)
     against the torch `vocab_candidates` at serving shapes, without a host sync: on small-integer
     inputs (every logit exact whatever the GEMM's order) ids and logits bit for bit, ties included;
     on random bf16 inputs (rounding may move near-ties) >= 97% of the candidates shared."""

@@ -230,7 +230,7 @@ def run_graph(s: Setup, inputs: list[list[torch.Tensor]], capture: bool = True):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
 
-    from mfd_sglang.serving.tree_verify import tree_verify_input
+    from mfd_sglang.serving.verify import tree_verify_input
 
     bs, n, dev = len(s.prefix_lens), NUM_NODES, s.device
     tokens, fill = bs * n, s.backend.get_cuda_graph_seq_len_fill_value()
@@ -344,7 +344,7 @@ def skip_reason(backend: str) -> str | None:
 def tree_mask_section(device: str, quick: bool, *, mask_builder=full_custom_mask) -> list[dict]:
     """Rows for every backend MFD allows on this device x (eager, and on CUDA graph), plus FlashInfer's
     host plan on CUDA. Backends MFD does not allow on this device and graphs off CUDA have no row."""
-    from mfd_sglang.serving.launch import TREE_VERIFY_ATTENTION_BACKENDS
+    from mfd_sglang.serving.launch.resolve import TREE_VERIFY_ATTENTION_BACKENDS
 
     cuda = device.startswith("cuda")
     backends = TREE_VERIFY_ATTENTION_BACKENDS["cuda" if cuda else "cpu"]

@@ -1,4 +1,4 @@
-"""Measured live tensor bytes of one MFD verify + accept round against `mfd_sglang.serving.memory`'s plan.
+"""Measured live tensor bytes of one MFD verify + accept round against `mfd_sglang.serving.launch.memory`'s plan.
 
     python benchmarks/verify_memory.py --batch-sizes 1 4 --budget 16 --vocab 151936
 
@@ -87,7 +87,7 @@ def verify_round(tree, layout, logits, batch, seq_lens) -> None:
 
 def measure(bs: int, budget: int, vocab: int, kind: str) -> dict:
     """One round: {"measured": the logits plus the peak the round allocated, "planned": verify_bytes}."""
-    from mfd_sglang.serving.memory import MemoryPlan
+    from mfd_sglang.serving.launch.memory import MemoryPlan
 
     inputs = round_inputs(bs, budget, vocab, kind)
     logits = inputs[2]

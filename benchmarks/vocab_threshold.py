@@ -1,5 +1,5 @@
 """How often the fused vocabulary kernel's running threshold skips a tile's merge on real logits
-(`kernels/vocab_candidates.py`: a tile whose keys beat no row's current B-th key is not merged), forced on
+(`kernels/draft_vocab.py`: a tile whose keys beat no row's current B-th key is not merged), forced on
 at every plan here (serving turns it on only where this measured it to pay).
 
 Random logits never skip (every tile brings new top-B entries to some row); this measures real ones.
@@ -42,7 +42,7 @@ def hidden_blocks(model, tokenizer, texts: list[str]) -> torch.Tensor:
 
 
 def skipped_share(hidden: torch.Tensor, weight: torch.Tensor, count: int, rows: int, tiles_per_split: int) -> dict:
-    from mfd_sglang.kernels.vocab_candidates import vocab_top_logits_triton
+    from mfd_sglang.kernels.draft_vocab import vocab_top_logits_triton
 
     skips = torch.zeros(2, dtype=torch.int32, device=hidden.device)
     tiles = -(-weight.shape[0] // TILE)

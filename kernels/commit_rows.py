@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import require_cuda
+from mfd_sglang.kernels.common import require_cuda
 
 _BLOCK_F = 1024  # feature columns a step copies
 

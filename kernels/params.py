@@ -5,7 +5,7 @@ vocabulary kernel's tile and split bounds, and the FP8 e4m3 format FP8 drafting 
 import torch
 
 # The vocabulary kernel's rows per tile (at least B) and splits at most (below 2^23 rows): its scratch holds B
-# keys, a max and a sum per split of every row (`kernels/vocab_candidates.py`, `serving/memory.py`).
+# keys, a max and a sum per split of every row (`kernels/draft_vocab.py`, `serving/launch/memory.py`).
 VOCAB_TILE, VOCAB_SPLITS = 128, 128
 
 FP8 = torch.float8_e4m3fn

@@ -1,5 +1,5 @@
-"""What the Triton top-k kernels (`mixture_tree`, `vocab_candidates`) share: the int64 rank key
-they sort (and its int32 twin for 16-bit scores), and the launch helpers of every Triton wrapper.
+"""What the Triton top-k kernels (`tree_mixture`, `draft_vocab`) share: the int64 rank key
+they sort (and its int32 twin for 16-bit scores).
 
 A rank key holds a float32 score's order-preserving int32 bits in its high half (negative floats
 flip their magnitude bits; -0.0 maps as +0.0) and 2^31 - 1 - index in its low half (0 <= index <
@@ -86,17 +86,3 @@ def key_score(key):
 @triton.jit
 def key_index(key):
     return 2147483647 - (key - ((key >> 32) << 32))
-
-
-def is_interpreted() -> bool:
-    """Whether the kernels run on the Triton interpreter (CPU tensors allowed)."""
-    # TRITON_INTERPRET is read when @triton.jit runs, i.e. when this module is imported.
-    return type(rank_key).__name__ == "InterpretedFunction"
-
-
-def require_cuda(tensor, what: str, hint: str = "") -> None:
-    """ValueError unless `tensor` is a CUDA tensor or the kernels run on the interpreter: what every
-    Triton wrapper checks first. what: the kernel, as the message names it."""
-    if not tensor.is_cuda and not is_interpreted():
-        raise ValueError(f"{what} needs CUDA tensors or TRITON_INTERPRET=1 (set before triton is imported), got "
-                         f"a tensor on {tensor.device}{hint}")

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from mfd_sglang.kernels.params import pow2
-from mfd_sglang.kernels.rank_keys import require_cuda
+from mfd_sglang.kernels.common import require_cuda
 
 
 @triton.jit

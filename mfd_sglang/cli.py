@@ -110,7 +110,7 @@ def describe_drafter(ckpt) -> dict:
     """A JSON-friendly summary of a drafter, for `inspect`: among it the bytes of its weights as stored
     and as a server with --speculative-draft-model-quantization fp8 holds them (attention and MLP
     linears in e4m3 with a float32 scale per output channel, the rest as stored)."""
-    from .serving.memory import drafter_weight_bytes
+    from .serving.launch.memory import drafter_weight_bytes
 
     cfg = ckpt.config
     params = sum(t.numel() for n, t in ckpt.weights.items() if n != "draft_vocab")

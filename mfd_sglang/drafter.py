@@ -71,11 +71,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its RMSNorm); delta None: (x, its RMSNorm). The sum and its norm in one launch on the
-    "triton" backend (`kernels/residual_mlp.py`)."""
+    "triton" backend (`kernels/draft_residual_mlp.py`)."""
     if delta is None:
         return x, rms_norm(x, weight, eps)
     if backend == "triton":
-        from mfd_sglang.kernels.residual_mlp import add_rms_norm
+        from mfd_sglang.kernels.draft_residual_mlp import add_rms_norm
 
         return add_rms_norm(x, delta, weight, eps)
     x = x + delta
@@ -133,7 +133,7 @@ def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chu
     Each logit and its row form one distinct int64 key (as in the Triton tree kernel), so a plain
     top-k (no full sort, no tie ambiguity) keeps the running best.
 
-    backend: "torch" (this function), or "triton" (`mfd_sglang.kernels.vocab_candidates`: one fused
+    backend: "torch" (this function), or "triton" (`mfd_sglang.kernels.draft_vocab`: one fused
     lm_head + top-B kernel, no logits beyond a tile; chunk_size is unused; float32/float16/bfloat16
     hidden and weight of one dtype; CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported
     for CPU ones, else ValueError). Its ids equal these and its log-probabilities agree up to the
@@ -141,7 +141,7 @@ def vocab_candidates(hidden: torch.Tensor, weight: torch.Tensor, count: int, chu
     """
     if check_backend(backend) == "triton":
         # Imported here: the torch backend must not need triton.
-        from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
+        from mfd_sglang.kernels.draft_vocab import vocab_candidates_triton
 
         return vocab_candidates_triton(hidden, weight, count)
     vocab = weight.shape[0]
@@ -285,7 +285,7 @@ class DrafterLayer(nn.Module):
         of their positions (`queries_keys_values`'s backends)."""
         k, v = self.projected_keys_values(x)
         if backend == "triton":
-            from mfd_sglang.kernels.norm_rope import norm_rope_
+            from mfd_sglang.kernels.draft_norm_rope import norm_rope_
 
             norm_rope_(None, None, k, self.k_norm, rope.positions, rope.inv_freq, self.cfg.rms_norm_eps)
         else:
@@ -295,11 +295,11 @@ class DrafterLayer(nn.Module):
     def queries_keys_values(self, h: torch.Tensor, rope: Rope, backend: str) -> tuple[torch.Tensor, ...]:
         """Queries, keys (each normed, rotated) and values [bs, heads, T, hd] (views of [bs, T, heads, hd]) of
         inputs h [bs, T, H]; backend "triton": q and k normed and rotated in place in one launch
-        (`kernels/norm_rope.py`), else torch (`rms_norm`, `apply_rope`)."""
+        (`kernels/draft_norm_rope.py`), else torch (`rms_norm`, `apply_rope`)."""
         bs, t, _ = h.shape
         q = self.q_proj(h).view(bs, t, self.num_heads, self.head_dim)
         if backend == "triton":
-            from mfd_sglang.kernels.norm_rope import norm_rope_
+            from mfd_sglang.kernels.draft_norm_rope import norm_rope_
 
             k, v = self.projected_keys_values(h)
             norm_rope_(q, self.q_norm, k, self.k_norm, rope.positions, rope.inv_freq, self.cfg.rms_norm_eps)
@@ -332,7 +332,7 @@ class DrafterLayer(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
         gate_up = F.linear(h, joined([self.gate_proj.weight, self.up_proj.weight]))
         if backend == "triton":
-            from mfd_sglang.kernels.residual_mlp import silu_mul
+            from mfd_sglang.kernels.draft_residual_mlp import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -435,7 +435,7 @@ class MFDDrafter(nn.Module):
                 for name in ("k_proj", "v_proj"))
         k_norm = joined([layer.k_norm for layer in layers]).view(len(layers), 1, -1)
         if self.backend == "triton":
-            from mfd_sglang.kernels.norm_rope import norm_rope_
+            from mfd_sglang.kernels.draft_norm_rope import norm_rope_
 
             norm_rope_(None, None, k.view(bs, t, -1, shape[-1]), k_norm, positions, rope.inv_freq,
                        self.cfg.rms_norm_eps)
@@ -592,7 +592,7 @@ class MFDDrafter(nn.Module):
         target's embeddings. modes: draft only each request's modes of the subset, weighed by its log-prior."""
         block, mode_ids = self.cfg.block_size, None if modes is None else modes.ids
         if self.backend == "triton":  # the block input in one launch
-            from mfd_sglang.kernels.block_input import block_input
+            from mfd_sglang.kernels.draft_block_input import block_input
 
             x, normed, positions = block_input(roots, starts, embed_weight,
                                                self.block_modes(single_mode, mode_ids, embed_weight.dtype),

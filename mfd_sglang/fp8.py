@@ -23,7 +23,7 @@ Product: y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k] (+ bias), accumul
   elsewhere (CPU; odd widths on CUDA): the reference, the e4m3 values as float32 (exact), their matmul, then
       the scales (`reference_mm`).
 Activations on the "triton" backend (`mfd_sglang.backend`; the drafter's) are quantized by one Triton kernel
-(`mfd_sglang.kernels.fp8_quant`), bit-identical to `quantize_rows` (held to it by tests/test_fp8.py under the Triton interpreter and by the GPU check's
+(`mfd_sglang.kernels.draft_fp8_quant`), bit-identical to `quantize_rows` (held to it by tests/test_fp8.py under the Triton interpreter and by the GPU check's
 `fp8_draft` rows on the device); so both paths quantize identically and only the matmul's accumulation differs.
 """
 
@@ -47,7 +47,7 @@ def quantize_activations(rows: torch.Tensor, backend: str = "torch") -> tuple[to
     """`quantize_rows` of [M, K] on `backend` (`mfd_sglang.backend`): "triton" is one fused kernel (five torch
     passes cost about what FP8's GEMM saves), "torch" the torch code."""
     if check_backend(backend) == "triton":
-        from mfd_sglang.kernels.fp8_quant import quantize_rows_triton  # the CPU path must not need triton
+        from mfd_sglang.kernels.draft_fp8_quant import quantize_rows_triton  # the CPU path must not need triton
 
         return quantize_rows_triton(rows if rows.stride(-1) == 1 else rows.contiguous())
     return quantize_rows(rows)

@@ -2,7 +2,7 @@
 accept, commit) as the serving worker runs them, at Qwen3-4B / Qwen3-8B drafter shapes, bs 1 / 8 / 32, MFD
 (K = 8) and MFD_D's single-mode path, B = 16 / 64; their predicted H200 time from `gpu_cost`'s model, its
 launch floor fitted to the one H200 log (`mfd_sglang/data/`: `round_cost`'s measured round, traced the same way); the round
-at the default budget on CUDA (the schedule of `serving.budget_schedule`) beside a plain decode step for bs 1,
+at the default budget on CUDA (the schedule of `serving.budget.schedule`) beside a plain decode step for bs 1,
 4, 8, 16, 32, 64 (`default_budget_rows`); and the sm_90a / sm_80 compiles of every Triton kernel at its serving
 launch. What is counted and how: `gpu_cost`.
 Runs from an installed wheel (its shapes and builders are `mfd_sglang.round_cost`'s, the log is package data):
@@ -90,9 +90,9 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
 
     from mfd_sglang.serving import draft_stage
     from mfd_sglang.serving.accept import accept_tree, pad_result
-    from mfd_sglang.serving.budget import Arm
+    from mfd_sglang.serving.budget.rule import Arm
     from mfd_sglang.serving.commit import commit_round
-    from mfd_sglang.serving.tree_verify import layout_verify_input
+    from mfd_sglang.serving.verify import layout_verify_input
     from mfd_sglang.tree import empty_tree
 
     cfg = target_config(s.shape)
@@ -210,11 +210,11 @@ def drafter_and_target_configs(shape: str) -> tuple:
 
 
 def default_schedule(shape: str, server: str, max_requests: int):
-    """The default budget schedule on CUDA (`serving.budget_schedule`) of an MFD or MFD_D server at default
+    """The default budget schedule on CUDA (`serving.budget.schedule`) of an MFD or MFD_D server at default
     flags (B = 64, MFD_D's switch at 3 requests) with the ledger's drafter on `shape`'s target, TP 1, for
     batches of up to max_requests requests."""
-    from mfd_sglang.serving.budget_schedule import BudgetSchedule, RoundModel
-    from mfd_sglang.serving.options import (DEFAULT_SWITCH_THRESHOLD, budget_from_num_draft_tokens,
+    from mfd_sglang.serving.budget.schedule import BudgetSchedule, RoundModel
+    from mfd_sglang.serving.launch.options import (DEFAULT_SWITCH_THRESHOLD, budget_from_num_draft_tokens,
                                             default_num_draft_tokens)
 
     launch_budget = budget_from_num_draft_tokens(default_num_draft_tokens("cuda"))
@@ -231,7 +231,7 @@ def default_budget_rows(shape: str = "qwen3-4b", batch_sizes=DEFAULT_BATCH_SIZES
     stages there (`trace_worker_round`), the target's verify of bs (b + 1) tokens and its plain step of bs
     (`trace_target_forward`); the break-even accept length round / plain step; the schedule's own roofline
     ratio (`RoundModel`), which it bounds by `ROUND_STEPS`."""
-    from mfd_sglang.serving.budget import describe_path
+    from mfd_sglang.serving.budget.rule import describe_path
 
     traced: dict = {}  # the servers share rounds and steps: each traced once
 
@@ -270,9 +270,9 @@ def serving_launches(shape: str = "qwen3-4b", bs: int = 1, budget: int = 64) -> 
     default path: the fused lm_head + top-B (`vocab_candidates_triton` over the draft's hidden states
     [bs, K, D, H]), the tree from full log-probabilities [bs, K, D, V] (`_vocab_topk_kernel`) and FP8
     drafting's activation quantization (the down_proj input [bs * K * block, intermediate])."""
-    from mfd_sglang.kernels.fp8_quant import quantize_rows_triton
-    from mfd_sglang.kernels.mixture_tree import build_mixture_tree_triton
-    from mfd_sglang.kernels.vocab_candidates import vocab_candidates_triton
+    from mfd_sglang.kernels.draft_fp8_quant import quantize_rows_triton
+    from mfd_sglang.kernels.tree_mixture import build_mixture_tree_triton
+    from mfd_sglang.kernels.draft_vocab import vocab_candidates_triton
 
     launches = {l.name: l for l in triton_launches(trace_worker_round(Scenario(shape, "mfd", bs, budget)))}
     cfg = target_config(shape)
@@ -443,13 +443,13 @@ COUNTING_NOTE = {
 
 def default_budget_markdown(rows: list[dict]) -> list[str]:
     """Markdown lines of `default_budget_rows`: per shape, the round at the default budget beside a plain step."""
-    from mfd_sglang.serving.budget_schedule import ROUND_STEPS
+    from mfd_sglang.serving.budget.schedule import ROUND_STEPS
 
     lines = []
     for shape in dict.fromkeys(row["shape"] for row in rows):
         lines += ["", f"## {shape}: rounds at the default budget on CUDA beside a plain decode step (context "
                   f"{CONTEXT_LEN} tokens per request)", "",
-                  "The budget is the default schedule's (`serving/budget_schedule.py`: no --speculative-num-draft-"
+                  "The budget is the default schedule's (`serving/budget/schedule.py`: no --speculative-num-draft-"
                   "tokens, no --mfd-auto-budget; MFD_D's single-mode path from 3 requests); round = MFD's own "
                   "stages + the target's verify of bs (B + 1) tokens; plain = the target's decode step of bs tokens. "
                   "The target is round_cost.py's torch Qwen3 (the one the launch floor is fitted to, ~1,900 "

@@ -4,7 +4,7 @@
     target logits + DraftTree  -->  accept  --TreeVerifyResult-->  commit, outputs
 
 Each stage's torch reference and Triton kernel take and return these (`mfd_sglang.tree`,
-`mfd_sglang.tree_layout`, `mfd_sglang.verify`, `mfd_sglang.kernels`); they live here, below both, so that a
+`mfd_sglang.tree_layout`, `mfd_sglang.acceptance`, `mfd_sglang.kernels`); they live here, below both, so that a
 kernel never imports the module that dispatches to it.
 """
 

@@ -11,7 +11,7 @@ One round, in named stages (each timed, each a method you can call alone):
 Batched: requests of different lengths share one forward per stage; each row keeps its own length
 in right-padded caches and sees only its own valid entries through the attention mask. Output is
 exactly the target's own decoding of each request: greedy at T = 0; at T > 0 every emitted token
-is a genuine target sample (one sample per tree node, see verify.py).
+is a genuine target sample (one sample per tree node, see acceptance.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .drafter import DraftContext, MFDDrafter, context_features
 from .timing import timed
 from .tree import DraftTree, build_chain, build_mixture_tree
 from .tree_layout import tree_ancestor_mask
-from .verify import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
+from .acceptance import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
                      verify_tree_sampling)
 
 STAGES = ("draft", "tree", "verify", "commit")

@@ -7,7 +7,7 @@ The K x T query rows of a request (mode-major: row r belongs to mode r // T) att
 GQA: query head h reads kv head h // (Hq / Hkv). Scale 1/sqrt(head_dim).
 
 `backend="torch"` is the reference (gathers the context into a padded tensor, then one masked SDPA);
-`backend="triton"` is the fused kernel in `mfd_sglang.kernels.mode_attention`, which streams the
+`backend="triton"` is the fused kernel in `mfd_sglang.kernels.draft_mode_attention`, which streams the
 context tiles once for all the query rows of a program instead of once per mode.
 """
 
@@ -25,7 +25,7 @@ def mode_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor
     """q [bs, Hq, K*T, d]; block_k / block_v [bs, Hkv, K*T, d]; pool_k / pool_v [slots, Hkv, d];
     req_to_token [R, max_len] slot ids; req_pool_indices [bs]; context_lens [bs]. Returns [bs, Hq, K*T, d]."""
     if check_backend(backend) == "triton":
-        from mfd_sglang.kernels.mode_attention import mode_attention_triton
+        from mfd_sglang.kernels.draft_mode_attention import mode_attention_triton
 
         return mode_attention_triton(q, block_k, block_v, pool_k, pool_v, req_to_token, req_pool_indices,
                                      context_lens, num_modes=num_modes)

@@ -2,9 +2,9 @@
 
 SGLang calls `register()` once per process (launcher, scheduler, detokenizer) before it parses
 arguments, so what is registered here is known everywhere:
-  - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.algorithms`) with their worker
+  - the speculative algorithms `MFD` and `MFD_D` (`mfd_sglang.serving.launch.algorithms`) with their worker
     factory, `mfd_worker_class`: this module is where the algorithms meet the worker, so neither of
-    `serving/algorithms.py` and `serving/worker.py` imports the other;
+    `serving/launch/algorithms.py` and `serving/worker.py` imports the other;
   - their HookRegistry hooks: MFD's options as flags of SGLang's parser (`mfd_sglang.patches.mfd_flags`), the target check (hybrid / sliding-window targets are refused) and
     the drafter-path check before SGLang's argument resolution acts on them
     (`mfd_sglang.patches.launch_checks`), the per-request checks
@@ -70,7 +70,7 @@ def register() -> None:
                           penalty_state, request_checks, retraction_backup, tree_verify_graph_runner)
 
     try:
-        from .serving.algorithms import register_algorithms
+        from .serving.launch.algorithms import register_algorithms
 
         algorithms = register_algorithms(mfd_worker_class)
     except Exception as e:

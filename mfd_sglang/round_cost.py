@@ -25,12 +25,12 @@ from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.cuda_graph import capture
 from mfd_sglang.drafter import MFDDrafter, rope_cos_sin
 from mfd_sglang.handoffs import DraftCandidates, DraftTree, TreeVerifyResult, VerifyLayout
-from mfd_sglang.serving.budget import Arm
+from mfd_sglang.serving.budget.rule import Arm
 from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.serving.draft_stage import DraftStage
 from mfd_sglang.timing import mean_ms
-from mfd_sglang.verify import verify_tree_greedy
+from mfd_sglang.acceptance import verify_tree_greedy
 
 BUDGET = 64
 STAGES = ("draft", "tree", "verify", "commit")

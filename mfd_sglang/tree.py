@@ -70,7 +70,7 @@ def build_mixture_tree(logprobs: Tensor | DraftCandidates, budget: int, *, backe
 
     logprobs: [K, D, V] or [bs, K, D, V] per-mode, per-depth log-probabilities, or their
     `DraftCandidates` (batched; the same tree).
-    backend: "torch" (this module), or "triton" (`mfd_sglang.kernels.mixture_tree`: bit-identical
+    backend: "torch" (this module), or "triton" (`mfd_sglang.kernels.tree_mixture`: bit-identical
     output, float32/float16/bfloat16 input only; needs a CUDA tensor, or TRITON_INTERPRET=1 set
     before triton is imported for CPU tensors, else ValueError).
     """
@@ -88,7 +88,7 @@ def build_mixture_tree(logprobs: Tensor | DraftCandidates, budget: int, *, backe
         raise ValueError(f"logprobs must be [K, D, V] or [bs, K, D, V], not {logprobs.shape}")
     if backend == "triton":
         # Imported here: the torch backend must not need triton.
-        from mfd_sglang.kernels.mixture_tree import build_mixture_tree_triton
+        from mfd_sglang.kernels.tree_mixture import build_mixture_tree_triton
 
         return build_mixture_tree_triton(logprobs, budget)
     if not isinstance(logprobs, DraftCandidates):

@@ -7,7 +7,7 @@ links to them: their token is 0, their position seq_len + 1 and their mask row s
 the root and themselves.
 
 Everything but `full_custom_mask` without `total_len` is fixed-shape and host-sync free. On the "triton"
-backend (`mfd_sglang.backend`) the layout is one launch (`mfd_sglang.kernels.tree_walk`) and the custom mask
+backend (`mfd_sglang.backend`) the layout is one launch (`mfd_sglang.kernels.verify_layout`) and the custom mask
 two (`mfd_sglang.kernels.verify_mask`), bit-identical to the torch references here.
 """
 
@@ -43,7 +43,7 @@ def tree_ancestor_mask(tree: DraftTree) -> Tensor:
 
 def runs_triton(backend: str, tensor: Tensor) -> bool:
     """Whether the verify layout, its custom mask or the accepted path of the batch `tensor` leads runs on the
-    "triton" backend (`kernels.tree_walk`, `kernels.verify_mask`): backend "triton" and a batch that is not
+    "triton" backend (`kernels.verify_layout`, `kernels.verify_mask`): backend "triton" and a batch that is not
     empty (an empty batch has nothing to launch for); ValueError for an unknown backend."""
     return check_backend(backend) == "triton" and tensor.shape[0] > 0
 
@@ -59,7 +59,7 @@ def tree_to_verify_layout(tree: DraftTree, root_tokens: Tensor, seq_lens: Tensor
     if tree.tokens.dim() != 2:
         raise ValueError("tree_to_verify_layout needs a batched tree ([bs, budget] fields)")
     if runs_triton(backend, tree.tokens):
-        from mfd_sglang.kernels.tree_walk import verify_layout_triton
+        from mfd_sglang.kernels.verify_layout import verify_layout_triton
 
         return verify_layout_triton(tree, root_tokens, seq_lens)
     bs, budget = tree.tokens.shape

@@ -27,7 +27,7 @@ TREE_TOPK = 2  # any value > 1 selects the backend's tree path
 
 
 def tree_path_after(result, backend, model_runner, *args, **kwargs):
-    from mfd_sglang.serving.algorithms import is_mfd
+    from mfd_sglang.serving.launch.algorithms import is_mfd
 
     if is_mfd(model_runner.spec_algorithm) and not model_runner.is_draft_worker:
         backend.topk = max(backend.topk, TREE_TOPK)
@@ -36,7 +36,7 @@ def tree_path_after(result, backend, model_runner, *args, **kwargs):
 def dense_conv_windows_around(original, *args, **kwargs):
     from sglang.srt.runtime_context import get_spec
 
-    from mfd_sglang.serving.algorithms import is_mfd
+    from mfd_sglang.serving.launch.algorithms import is_mfd
 
     return False if is_mfd(get_spec().speculative_algorithm) else original(*args, **kwargs)
 

@@ -33,7 +33,7 @@ def require_installed_before(*args, **kwargs):
     """BEFORE hook of publish(server_args, ...): when a hook registered in this process is not in its
     target's live object, raise if the process may serve MFD / MFD_D, else warn."""
     from mfd_sglang.patches import missing_hooks
-    from mfd_sglang.serving.algorithms import is_mfd
+    from mfd_sglang.serving.launch.algorithms import is_mfd
 
     missing = missing_hooks()
     if not missing:

@@ -1,7 +1,7 @@
 """MFD's options as flags of SGLang's own argument parser (SGLang 0.5.23 has no plugin-argument API).
 
 - AFTER ``sglang.srt.server_args.ServerArgs.add_cli_args(parser)``: adds the group "MFD speculative
-  decoding" (`mfd_sglang.serving.options.add_cli_args`), so ``python -m sglang.launch_server --help`` lists
+  decoding" (`mfd_sglang.serving.launch.options.add_cli_args`), so ``python -m sglang.launch_server --help`` lists
   the flags and SGLang's ``--config`` YAML merger (which reads the parser's actions) accepts them. Every
   SGLang launcher loads plugins before it parses arguments.
 - AFTER ``ServerArgs.from_cli_args(args)``, which keeps only ServerArgs fields: the flags given are stored on
@@ -17,15 +17,15 @@ FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 
 
 def add_mfd_flags_after(result, parser, *args, **kwargs):
-    from mfd_sglang.serving.options import add_cli_args
+    from mfd_sglang.serving.launch.options import add_cli_args
 
     add_cli_args(parser)
     return result
 
 
 def keep_mfd_flags_after(server_args, *args, **kwargs):
-    from mfd_sglang.serving.algorithms import is_mfd
-    from mfd_sglang.serving.options import OPTIONS, given_options
+    from mfd_sglang.serving.launch.algorithms import is_mfd
+    from mfd_sglang.serving.launch.options import OPTIONS, given_options
 
     namespace = args[-1] if args else kwargs["args"]
     given = given_options(namespace)

@@ -3,7 +3,7 @@
 Wraps ``sglang.srt.speculative.dflash_utils.validate_dflash_request`` (AROUND). The scheduler calls
 it for every new request of a DFlash-family algorithm (``Scheduler.handle_generate_request``) and,
 when it returns a message, finishes that request with the message as a 400 error instead of
-scheduling it. MFD is DFlash-family (see ``mfd_sglang.serving.algorithms``), so this is the one
+scheduling it. MFD is DFlash-family (see ``mfd_sglang.serving.launch.algorithms``), so this is the one
 place where an unsupported request can be refused before it reaches the worker: the worker's
 verification applies the sampling law (temperature / top-k / top-p / min-p, sampling_seed), penalties,
 min_new_tokens, logit_bias and grammar masks at every tree node, and returns logprobs and sampling
@@ -32,7 +32,7 @@ def unsupported_request_features(req) -> list[str]:
 def running_mfd() -> bool:
     from sglang.srt.runtime_context import get_spec
 
-    from mfd_sglang.serving.algorithms import is_mfd
+    from mfd_sglang.serving.launch.algorithms import is_mfd
 
     return is_mfd(get_spec().speculative_algorithm)
 

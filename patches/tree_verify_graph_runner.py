@@ -18,7 +18,7 @@ DECODE_GRAPH_RUNNER_CLS = "sglang.srt.model_executor.model_runner.ModelRunner._d
 
 def decode_graph_runner_cls_around(original, model_runner, *args, **kwargs):
     """AROUND hook: MFD's tree-verify runner for MFD / MFD_D target runners, else the original."""
-    from mfd_sglang.serving.algorithms import is_mfd
+    from mfd_sglang.serving.launch.algorithms import is_mfd
 
     if is_mfd(model_runner.spec_algorithm) and not model_runner.is_draft_worker:
         from mfd_sglang.serving.verify_graph import MFDVerifyCudaGraphRunner

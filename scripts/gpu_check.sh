@@ -26,7 +26,7 @@ PAIR=.gpu-check-pair
 
 if [ "${1:-}" = prepare ]; then
   set -e
-  bash scripts/device_kit.sh build
+  bash scripts/kit.sh device build
   py=.venv/bin/python; [ -x "$py" ] || py=python3
   # rebuilt when make-tiny changes (its bytes are fixed per seed and source)
   made_by="$(sha256sum mfd_sglang/lab/tiny.py | cut -c1-16) seed 0 K 4"
@@ -66,7 +66,7 @@ site=${MFD_GPU_CHECK_SITE:-/tmp/mfd-site}
 compiled=()
 if [ -n "${MFD_DEVICE_KIT_COMPILED_WHEELS:-}" ]; then compiled=(--compiled-wheels "$MFD_DEVICE_KIT_COMPILED_WHEELS"); fi
 kit_status=0
-timeout $((MFD_GPU_CHECK_DEADLINE - $(date +%s))) bash scripts/device_kit.sh install "$site" "${compiled[@]}" \
+timeout $((MFD_GPU_CHECK_DEADLINE - $(date +%s))) bash scripts/kit.sh device install "$site" "${compiled[@]}" \
   >"$out/kit-install.log" 2>&1 || kit_status=$?
 export MFD_GPU_CHECK_KIT_STATUS=$kit_status
 export PYTHONPATH="$site:$site/mfd_sglang/cpu/sgl_kernel_standin${MFD_FLASHINFER_SITE:+:$MFD_FLASHINFER_SITE}"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The FlashInfer visit to the GPU machine: SGLang on Hopper with --attention-backend flashinfer, the backend MFD
-# switches to from fa3 (mfd_sglang/serving/algorithms.py), with its JIT kernels compiled there first. Two device
+# switches to from fa3 (mfd_sglang/serving/launch/algorithms.py), with its JIT kernels compiled there first. Two device
 # calls back to back on the same machine: it stays warm only 30 s after a call, and keeps the git-ignored outputs in
 # the repository's copy there that a call does not carry, so call 1's work lives in .flashinfer-site/:
 #
-#   call 1, compile: install the pruned FlashInfer (scripts/flashinfer_kit.sh) in .flashinfer-site/, compile the
+#   call 1, compile: install the pruned FlashInfer (scripts/kit.sh flashinfer) in .flashinfer-site/, compile the
 #           JIT modules the servers need (scripts/flashinfer_modules.py: both pairs' shapes, sm_90a, on all cores,
 #           in priority order, under one deadline), install each into the package as an AOT module, and check
 #           SGLang's wrapper kinds against a torch reference with JIT disabled. Rows: $OUT/flashinfer-compile.json
@@ -16,7 +16,7 @@
 #
 # Here, before the visit (needs the package registry):
 #   bash scripts/gpu_check.sh prepare            # .device-kit and .gpu-check-pair
-#   bash scripts/flashinfer_kit.sh build         # .flashinfer-kit
+#   bash scripts/kit.sh flashinfer build         # .flashinfer-kit
 #   bash scripts/gpu_visit_flashinfer.sh sizes   # what each call carries, against the device call's 64 MiB
 #
 # The device-tool calls, the second issued as soon as the first returns (a machine found cold again has lost
@@ -48,7 +48,7 @@ compile() {
   local out=${OUT:-benchmarks/results/flashinfer-compile-$(date +%F)}
   mkdir -p "$out"
   say "installing the FlashInfer kit in $SITE"
-  if ! PYTHON=python3 bash scripts/flashinfer_kit.sh install "$SITE" --tvm-ffi "$TVM_FFI_WHEEL" \
+  if ! PYTHON=python3 bash scripts/kit.sh flashinfer install "$SITE" --tvm-ffi "$TVM_FFI_WHEEL" \
       >"$out/flashinfer-install.log" 2>&1; then
     tail -20 "$out/flashinfer-install.log"; say "ERROR: the kit install failed ($out/flashinfer-install.log)"; exit 1
   fi

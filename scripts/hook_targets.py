@@ -4,7 +4,7 @@
 or a module-level string constant of the same file). `unresolved(targets, read)` looks each target up in
 SGLang's sources as `read(relative path)` returns them: the longest dotted prefix that is a module
 (`a/b/c.py` or `a/b/c/__init__.py`), then the rest through that module's top-level names and its
-classes' bodies. `scripts/device_kit.sh build` runs it over the trimmed SGLang archive, before it installs a
+classes' bodies. `scripts/kit.sh device build` runs it over the trimmed SGLang archive, before it installs a
 new kit and on a kit it finds up to date (a hook added since the kit was built is checked too): a hook whose
 target the prune removed would not apply on the device (SGLang only logs that). Standard library only: the
 build runs it with the system Python.

@@ -1,5 +1,5 @@
 """What an MFD server adds to SGLang's memory at the released drafters' shapes: the plugin's own plan
-(`mfd_sglang.serving.memory.memory_plan`, what the launch logs as `MFD memory at launch` and takes out of
+(`mfd_sglang.serving.launch.memory.memory_plan`, what the launch logs as `MFD memory at launch` and takes out of
 `--mem-fraction-static`), computed from the drafters' shapes without downloading them.
 
     python scripts/memory_plan.py                        # the defaults on CUDA: MFD, the budget schedule, 48 requests
@@ -9,7 +9,7 @@
 
 Prints one row per drafter: its weights, the draft + tree working set and the verify working set of the largest
 round (T > 0: the sampling law's work over the full vocabulary per verified node; without --num-draft-tokens the
-default budget schedule's rounds up to --max-running-requests, `serving/budget_schedule.py`, else that budget at
+default budget schedule's rounds up to --max-running-requests, `serving/budget/schedule.py`, else that budget at
 --max-running-requests), their sum (outside SGLang's KV plan; the verify graphs of the schedule's other windows
 are not counted: they depend on the attention backend), and the drafter context per KV token (inside SGLang's
 KV plan, beside the target's own KV). The shapes are the released drafters' (model cards; `SHAPES` below); the weight count
@@ -25,10 +25,10 @@ import math
 from dataclasses import replace
 
 from mfd_sglang.checkpoint import expected_shapes, parse_drafter_config
-from mfd_sglang.serving.budget import Path
-from mfd_sglang.serving.budget_schedule import BudgetSchedule, RoundModel
-from mfd_sglang.serving.memory import memory_plan
-from mfd_sglang.serving.options import DEFAULT_SWITCH_THRESHOLD, budget_from_num_draft_tokens
+from mfd_sglang.serving.budget.rule import Path
+from mfd_sglang.serving.budget.schedule import BudgetSchedule, RoundModel
+from mfd_sglang.serving.launch.memory import memory_plan
+from mfd_sglang.serving.launch.options import DEFAULT_SWITCH_THRESHOLD, budget_from_num_draft_tokens
 
 # Released drafters by target (z-lab's DFlash drafter and the MFD card fine-tuned from it share the shape).
 SHAPES = {

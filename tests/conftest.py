@@ -3,8 +3,10 @@ kit tests share: a checked subprocess run and the prelude of a probe that import
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,16 +24,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# The modules that take longest (minutes: servers, kits, the interpreter), handed out first so that the workers
-# finish together (xdist's loadfile hands modules out in collection order); the others keep theirs.
-LONGEST_FIRST = ("test_device_kit", "test_released_formats", "test_self_check", "test_mfd_server", "test_scale_out",
-                 "test_pd_disaggregation", "test_tp_server", "test_sglang_kits", "test_request_features_server",
-                 "test_sampling_server", "test_flashinfer_kit", "test_benchmarks")
+# The modules that take longest (2 to 12 minutes each: servers, kits, the interpreter; measured by a two-worker
+# run's junit report), handed out first so that the workers finish together (xdist's loadfile hands modules out
+# in collection order); the others keep theirs.
+LONGEST_FIRST = ("test_sglang_kits", "test_released_formats", "test_device_kit", "test_serving", "test_mfd_server",
+                 "test_scale_out", "test_self_check", "test_hybrid_target", "test_pd_disaggregation",
+                 "test_serving_benchmarks", "test_tp_server", "test_flashinfer_kit", "test_auto_budget",
+                 "test_dflash_server", "test_tree_triton")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest in their order
+
 
 # The start of a `python -c` probe run as on an H200 (torch.cuda forced available; sglang.srt.utils.is_cuda()
 # also needs torch.version.cuda, which a CUDA build of torch has): it imports every module named in the JSON
@@ -62,6 +67,24 @@ def run_checked(cmd: list, *, env: dict | None = None, timeout: float = 1800, cw
     return proc.stdout
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `build(folder)` fills, built once per test run: pytest-xdist's workers share their base
+    folder's parent, where the first worker builds it under a lock while the others wait, then reuse it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    shared = tmp_path_factory.getbasetemp().parent
+    folder = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> Path:
     """OUTDIR with target/, drafter-dflash/ (single-mode), drafter/ (MFD, K = 4) and prompts.json.
@@ -69,14 +92,15 @@ def tiny_pair(tmp_path_factory) -> Path:
     writes the same bytes per seed)."""
     if os.environ.get("MFD_SGLANG_TINY_PAIR"):
         return Path(os.environ["MFD_SGLANG_TINY_PAIR"])
-    return make_tiny(tmp_path_factory.mktemp("tiny"), seed=0, num_modes=4, log=lambda *a: None)
+    return built_once(tmp_path_factory, "tiny", lambda out: make_tiny(out, seed=0, num_modes=4, log=lambda *a: None))
 
 
 @pytest.fixture(scope="session")
 def hybrid_pair(tmp_path_factory) -> Path:
     """make-tiny's hybrid pair (a Qwen3.5-shaped target: two Gated DeltaNet layers, then full attention; drafters
     as tiny_pair's), built once for the modules that serve hybrid targets."""
-    return make_tiny(tmp_path_factory.mktemp("tiny_hybrid"), seed=0, num_modes=4, hybrid=True, log=lambda *a: None)
+    return built_once(tmp_path_factory, "tiny_hybrid",
+                      lambda out: make_tiny(out, seed=0, num_modes=4, hybrid=True, log=lambda *a: None))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The automatic budget (MFD_SGLANG_AUTO_BUDGET=1, `mfd_sglang.serving.budget`): the chooser against
+"""The automatic budget (MFD_SGLANG_AUTO_BUDGET=1, `mfd_sglang.serving.budget.rule`): the chooser against
 simulated servers whose best arm and costs are known (with and without a start-up calibration; a drafter
 that accepts nothing gets plain decoding), and MFD_D servers with it on CPU (tiny pair, fp32), held to what
 does not depend on their round times: exact greedy output across batch sizes while it switches budgets,
@@ -21,10 +21,10 @@ import torch
 
 from conftest import reference_drafter, target_greedy
 from mfd_sglang.checkpoint import load_drafter, save_drafter
-from mfd_sglang.serving import budget as budget_module
-from mfd_sglang.serving.budget import (PLAIN, SINGLE_MODE, Arm, BudgetChooser, Path, RoundClock, batch_bucket,
+from mfd_sglang.serving.budget import rule as budget_module
+from mfd_sglang.serving.budget.rule import (PLAIN, SINGLE_MODE, Arm, BudgetChooser, Path, RoundClock, batch_bucket,
                                        candidate_budgets, mode_paths)
-from mfd_sglang.serving.options import read_options
+from mfd_sglang.serving.launch.options import read_options
 from references import TOP_K_ALL, assert_served_as_reference_rounds, reference_sample
 from servers import (generate_ids, log_tail, plugin_env, round_traces, run_six_and_one, served_without_leaks,
                      start_server)

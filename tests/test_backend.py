@@ -47,10 +47,10 @@ def round_on(backend: str) -> tuple[dict, collections.Counter]:
     import triton.runtime.interpreter as interpreter
 
     from mfd_sglang.serving.accept import accept_tree
-    from mfd_sglang.serving.budget import Arm
+    from mfd_sglang.serving.budget.rule import Arm
     from mfd_sglang.serving.commit import commit_round
     from mfd_sglang.serving.draft_stage import DraftStage
-    from mfd_sglang.serving.tree_verify import layout_verify_input
+    from mfd_sglang.serving.verify import layout_verify_input
 
     launches, stage_name = collections.Counter(), ["setup"]
     run = interpreter.InterpretedFunction.run

@@ -241,7 +241,7 @@ def test_the_server_log_gives_the_verify_graph_widths_and_memory(tmp_path, monke
     import logging
 
     from mfd_sglang.check import servers as check_servers
-    from mfd_sglang.serving.memory import MemoryPlan, reserve_in_mem_fraction
+    from mfd_sglang.serving.launch.memory import MemoryPlan, reserve_in_mem_fraction
     from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth
 
     log = tmp_path / "server.log"

@@ -1,4 +1,4 @@
-"""The default budget schedule on CUDA (`mfd_sglang.serving.budget_schedule`; no GPU, no timing):
+"""The default budget schedule on CUDA (`mfd_sglang.serving.budget.schedule`; no GPU, no timing):
 
 - the rule: every budget it picks keeps the predicted round within ROUND_STEPS plain steps, plain decoding only
   where no tree does, no other tree promising more tokens per second under the prior; the largest tree where
@@ -22,9 +22,9 @@ import torch
 from mfd_sglang.gpu_ledger import (DEFAULT_BATCH_SIZES, NUM_MODES, SERVERS, default_budget_markdown,
                                    default_budget_rows, default_schedule, drafter_and_target_configs,
                                    plain_step_floor)
-from mfd_sglang.serving.budget import PLAIN, SINGLE_MODE, Arm, Path, candidate_budgets
-from mfd_sglang.serving.budget_schedule import ROUND_STEPS, BudgetSchedule, RoundModel, budget_schedule, prior_tokens
-from mfd_sglang.serving.options import MFDOptions
+from mfd_sglang.serving.budget.rule import PLAIN, SINGLE_MODE, Arm, Path, candidate_budgets
+from mfd_sglang.serving.budget.schedule import ROUND_STEPS, BudgetSchedule, RoundModel, budget_schedule, prior_tokens
+from mfd_sglang.serving.launch.options import MFDOptions
 
 MAX_REQUESTS = 64
 

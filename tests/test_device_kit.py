@@ -1,11 +1,11 @@
-"""The device kit (scripts/device_kit.sh) and the CPU rehearsal of the GPU check's one device call.
+"""The device kit (scripts/kit.sh device) and the CPU rehearsal of the GPU check's one device call.
 
 The kit must let the borrowed GPU machine (torch 2.11 / triton 3.6 / transformers 5.17, no SGLang, no
 registry) run a real SGLang 0.5.23 server with this plugin, in at most 38 MiB next to the repository
 (64 MiB per device call). The rehearsal proves the call before any GPU minute is spent: a copy of the
 repository as it travels (tracked and untracked-not-ignored files, plus the carried .device-kit and
 .gpu-check-pair), an environment with the image's versions (torch 2.11.0, triton 3.6.0, transformers
-5.17.0 and only those of the image's other packages that SGLang imports; see device_kit.sh for the one
+5.17.0 and only those of the image's other packages that SGLang imports; see kit.sh device for the one
 version that differs) and no install of the project, and in that copy's root the device's command,
 `bash scripts/gpu_check.sh`, with `--cpu`: the kit is installed the way the device installs it
 (`pip --target`, PYTHONPATH), every section runs through the same code (servers through the CPU
@@ -32,14 +32,14 @@ from conftest import run_checked
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-KIT_SCRIPT = REPO / "scripts" / "device_kit.sh"
+KIT = ["bash", str(REPO / "scripts" / "kit.sh"), "device"]
 LIMIT = 38 * 2**20
 MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
 def kit() -> Path:
-    out = run_checked(["bash", str(KIT_SCRIPT), "build"])
+    out = run_checked([*KIT, "build"])
     assert "MiB in" in out, out  # the script prints the kit's size
     return REPO / ".device-kit"
 
@@ -85,7 +85,7 @@ def test_trimmed_sglang_is_pure_python_and_keeps_what_the_checks_import(kit):
 def test_kit_build_is_reproducible(kit, tmp_path):
     """The same pins and prune list give the same bytes (sorted archive, fixed times, gzip without a date)."""
     again = tmp_path / "kit"
-    run_checked(["bash", str(KIT_SCRIPT), "build"], env={**os.environ, "MFD_DEVICE_KIT": str(again)})
+    run_checked([*KIT, "build"], env={**os.environ, "MFD_DEVICE_KIT": str(again)})
     first = {f["path"]: f["sha256"] for f in json.loads((kit / "kit.json").read_text())["files"]}
     second = {f["path"]: f["sha256"] for f in json.loads((again / "kit.json").read_text())["files"]}
     assert first == second
@@ -96,11 +96,11 @@ def test_kit_build_is_reproducible(kit, tmp_path):
 @pytest.fixture(scope="module")
 def rehearsal(kit, tmp_path_factory) -> dict:
     """(python, site): the rehearsal venv's interpreter and the site folder the kit was installed into
-    exactly as on the device (scripts/device_kit.sh install), with the cp311 builds of its compiled wheels."""
-    env_dir = Path(run_checked(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
+    exactly as on the device (scripts/kit.sh device install), with the cp311 builds of its compiled wheels."""
+    env_dir = Path(run_checked([*KIT, "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
     python = env_dir / "venv" / "bin" / "python"
     site = tmp_path_factory.mktemp("rehearsal") / "site"
-    run_checked(["bash", str(KIT_SCRIPT), "install", str(site), "--compiled-wheels", str(env_dir / "cp311")],
+    run_checked([*KIT, "install", str(site), "--compiled-wheels", str(env_dir / "cp311")],
         env={**os.environ, "PYTHON": str(python)})
     return {"python": python, "site": site}
 
@@ -193,7 +193,7 @@ def run_device_command(copy: Path, rehearsal_dir: Path, out: Path, site: Path) -
 
 @pytest.fixture(scope="module")
 def device_call(kit, tiny_pair, tmp_path_factory) -> dict:
-    rehearsal_dir = Path(run_checked(["bash", str(KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
+    rehearsal_dir = Path(run_checked([*KIT, "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
     root = tmp_path_factory.mktemp("device-call")
     copy = travelling_copy(root / "repo", kit, tiny_pair)
     # as `gpu_check.sh prepare` puts it in the pair

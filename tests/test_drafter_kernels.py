@@ -1,4 +1,4 @@
-"""The round's fused Triton steps (`kernels/norm_rope.py`, `kernels/residual_mlp.py`, `kernels/block_input.py`,
+"""The round's fused Triton steps (`kernels/draft_norm_rope.py`, `kernels/draft_residual_mlp.py`, `kernels/draft_block_input.py`,
 `kernels/commit_rows.py`) against the torch path they replace, on random inputs: each kernel alone (the first
 three through the self-check's own comparisons, `mfd_sglang.check.kernels`, at these shapes; float32 /
 bfloat16 / float16; norm + rope at head dims 8 / 48 / 128, queries and keys or keys alone under stacked
@@ -101,7 +101,7 @@ def test_interpreter_matches_torch() -> None:
 
 
 def test_joined_drafter_runs_the_given_backend_and_triton_refuses_cpu_tensors_without_interpreter() -> None:
-    from mfd_sglang.kernels.norm_rope import norm_rope_
+    from mfd_sglang.kernels.draft_norm_rope import norm_rope_
 
     assert make_drafter().join_projections().backend == "torch"
     assert make_drafter().join_projections("triton").backend == "triton"

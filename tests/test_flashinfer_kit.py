@@ -1,9 +1,9 @@
-"""The FlashInfer kit (scripts/flashinfer_kit.sh) and the FlashInfer visit's plan (scripts/gpu_visit_flashinfer.sh,
+"""The FlashInfer kit (scripts/kit.sh flashinfer) and the FlashInfer visit's plan (scripts/gpu_visit_flashinfer.sh,
 scripts/flashinfer_modules.py), rehearsed on a CPU.
 
 The rehearsal uses the device kit's environment (torch 2.11.0 / triton 3.6.0 / transformers 5.17.0, the device
 kit laid out as on the device) plus the two image packages `import flashinfer` needs that it lacks, and the
-pruned FlashInfer laid out by `flashinfer_kit.sh install`. It proves, before a GPU minute is spent:
+pruned FlashInfer laid out by `kit.sh flashinfer install`. It proves, before a GPU minute is spent:
   - SGLang's server modules and its flashinfer attention backend import against the pruned FlashInfer with CUDA
     forced (FlashInfer then counts as available, and SGLang binds its wrappers), and every flashinfer import in
     those modules, at any depth, finds its module in the kit;
@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-KIT_SCRIPT = REPO / "scripts" / "flashinfer_kit.sh"
-DEVICE_KIT_SCRIPT = REPO / "scripts" / "device_kit.sh"
+KIT = ["bash", str(REPO / "scripts" / "kit.sh"), "flashinfer"]
+DEVICE_KIT = ["bash", str(REPO / "scripts" / "kit.sh"), "device"]
 VISIT_SCRIPT = REPO / "scripts" / "gpu_visit_flashinfer.sh"
 MODULES_SCRIPT = REPO / "scripts" / "flashinfer_modules.py"
 KIT_LIMIT = 14 * 2**20
@@ -45,7 +45,7 @@ from conftest import FORCED_H200_IMPORTS, run_checked  # noqa: E402
 
 @pytest.fixture(scope="module")
 def kit() -> Path:
-    out = run_checked(["bash", str(KIT_SCRIPT), "build"])
+    out = run_checked([*KIT, "build"])
     assert "MiB (limit" in out, out  # the script prints the kit's size
     return REPO / ".flashinfer-kit"
 
@@ -65,7 +65,7 @@ def test_kit_fits_and_its_manifest_holds(kit):
 def test_kit_build_is_reproducible(kit, tmp_path):
     """The same pin and keep list give the same bytes (sorted archive, fixed times, gzip without a date)."""
     again = tmp_path / "kit"
-    run_checked(["bash", str(KIT_SCRIPT), "build"], env={**os.environ, "MFD_FLASHINFER_KIT": str(again)})
+    run_checked([*KIT, "build"], env={**os.environ, "MFD_FLASHINFER_KIT": str(again)})
     first = {f["path"]: f["sha256"] for f in json.loads((kit / "kit.json").read_text())["files"]}
     assert first == {f["path"]: f["sha256"] for f in json.loads((again / "kit.json").read_text())["files"]}
 
@@ -76,15 +76,15 @@ def test_kit_build_is_reproducible(kit, tmp_path):
 def rehearsal(kit, tmp_path_factory) -> dict:
     """The device kit's rehearsal interpreter, its kit site with the sgl_kernel stand-in, the FlashInfer site
     and the image extras."""
-    run_checked(["bash", str(DEVICE_KIT_SCRIPT), "build"])
-    env_dir = Path(run_checked(["bash", str(DEVICE_KIT_SCRIPT), "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
+    run_checked([*DEVICE_KIT, "build"])
+    env_dir = Path(run_checked([*DEVICE_KIT, "rehearsal-env"], timeout=3600).strip().splitlines()[-1])
     python = env_dir / "venv" / "bin" / "python"
     root = tmp_path_factory.mktemp("flashinfer-rehearsal")
     env = {**os.environ, "PYTHON": str(python)}
-    run_checked(["bash", str(DEVICE_KIT_SCRIPT), "install", str(root / "site"), "--compiled-wheels", str(env_dir / "cp311")],
+    run_checked([*DEVICE_KIT, "install", str(root / "site"), "--compiled-wheels", str(env_dir / "cp311")],
         env=env)
-    run_checked(["bash", str(KIT_SCRIPT), "install", str(root / "flashinfer")], env=env)
-    extras = Path(run_checked(["bash", str(KIT_SCRIPT), "rehearsal-extras"]).strip().splitlines()[-1])
+    run_checked([*KIT, "install", str(root / "flashinfer")], env=env)
+    extras = Path(run_checked([*KIT, "rehearsal-extras"]).strip().splitlines()[-1])
     # as scripts/gpu_check.sh puts them on the path (the sgl_kernel stand-in next to the kit), FlashInfer after
     site = root / "site"
     return {"python": python, "root": root,

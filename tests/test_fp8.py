@@ -125,7 +125,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_fp8 import ROWS
 from mfd_sglang.fp8 import quantize_rows
-from mfd_sglang.kernels.fp8_quant import quantize_rows_triton
+from mfd_sglang.kernels.draft_fp8_quant import quantize_rows_triton
 gen = torch.Generator().manual_seed(3)
 cases = dict(ROWS, wide=torch.randn(5, 2500, generator=gen) * torch.logspace(-8, 8, 5)[:, None],
              strided=torch.randn(4, 3000, generator=gen)[:, 7:2000], empty=torch.zeros(0, 64))
@@ -274,7 +274,7 @@ def test_memory_plan_and_inspect_count_the_fp8_weights(tiny_pair):
     quantization's, and its log line says so."""
     from mfd_sglang.checkpoint import load_drafter
     from mfd_sglang.cli import describe_drafter
-    from mfd_sglang.serving.memory import drafter_weight_bytes, memory_plan
+    from mfd_sglang.serving.launch.memory import drafter_weight_bytes, memory_plan
 
     ckpt = load_drafter(tiny_pair / "drafter")
     elements = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())
@@ -317,7 +317,7 @@ def test_draft_quantization_follows_sglangs_resolution():
     cannot run leaves it unquantized; the same method set for the drafter is refused naming the flag."""
     from types import SimpleNamespace
 
-    from mfd_sglang.serving.options import draft_quantization
+    from mfd_sglang.serving.launch.options import draft_quantization
 
     args = lambda method, explicit: SimpleNamespace(speculative_draft_model_quantization=method,
                                                     _speculative_draft_quantization_explicitly_set=explicit)

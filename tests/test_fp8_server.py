@@ -115,7 +115,7 @@ from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
 from sglang.srt.server_args import ServerArgs
 import mfd_sglang.plugin
-from mfd_sglang.serving.options import draft_quantization
+from mfd_sglang.serving.launch.options import draft_quantization
 
 mfd_sglang.plugin.register()
 common.get_device_memory_capacity = memory_hook.get_device_memory_capacity = lambda device=None: 143_771.0

@@ -24,7 +24,7 @@ import torch
 from mfd_sglang.gpu_cost import (SERIAL_LOOPS, SHARED_LIMIT, KernelTrace, by_stage, compile_kernel,
                                  fit_launch_floor, predicted_seconds, warp_instructions)
 from mfd_sglang.gpu_ledger import STAGES, Scenario, project_kernels, serving_launches, trace_worker_round
-from mfd_sglang.serving.options import MAX_BUDGET
+from mfd_sglang.serving.launch.options import MAX_BUDGET
 
 # Kernel launches per stage of one round at the Qwen3-4B shapes (bs 8, B = 64), at most: today's counts
 # (benchmarks/results/gpu-ledger-2026-12-07-block-input.md; the baseline's were draft 1350, commit 162, layout

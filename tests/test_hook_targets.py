@@ -6,7 +6,7 @@ several hooks keep MFD exact. So: every `register_once` target in patches/ is re
 wrapper chain; a process in which one did not apply refuses at `publish` (the first thing every SGLang
 server process does after loading plugins), naming it, and the real launcher stops; the static
 resolution the device kit's build uses finds every target in SGLang's sources and names one that is
-gone; the kit's trimmed SGLang holds every target; and `scripts/device_kit.sh build` fails when its prune
+gone; the kit's trimmed SGLang holds every target; and `scripts/kit.sh device build` fails when its prune
 list removes a hook target.
 """
 
@@ -157,10 +157,10 @@ def test_the_launcher_stops_when_a_hook_did_not_apply(tiny_pair, tmp_path):
 
 @pytest.fixture(scope="module")
 def offline_wheels(tmp_path_factory) -> Path:
-    """A pip find-links folder with what `device_kit.sh build` downloads, so that it runs offline: the
+    """A pip find-links folder with what `kit.sh device build` downloads, so that it runs offline: the
     kit's own wheels (the kit is built first, as tests/test_device_kit.py does) and an sglang 0.5.23
     wheel made of the installed sglang's files and metadata (compiled ones empty: the prune removes them)."""
-    subprocess.run(["bash", str(REPO / "scripts" / "device_kit.sh"), "build"], cwd=REPO, check=True,
+    subprocess.run(["bash", str(REPO / "scripts" / "kit.sh"), "device", "build"], cwd=REPO, check=True,
                    capture_output=True, timeout=1800)
     folder = tmp_path_factory.mktemp("wheels")
     for wheel in (REPO / ".device-kit" / "wheels").glob("*.whl"):
@@ -179,10 +179,10 @@ def test_the_device_kits_sglang_holds_every_hook_target(offline_wheels):
 
 
 def repository_copy(folder: Path) -> Path:
-    """What `device_kit.sh build` reads of the repository (the script, the prune list, hook_targets.py,
+    """What `kit.sh device build` reads of the repository (the script, the prune list, hook_targets.py,
     patches/), copied into `folder`."""
     (folder / "scripts").mkdir()
-    for name in ("device_kit.sh", "hook_targets.py", "device_kit_prune.txt"):
+    for name in ("kit.sh", "kit_pack.py", "hook_targets.py", "device_kit_prune.txt"):
         shutil.copy(REPO / "scripts" / name, folder / "scripts" / name)
     shutil.copytree(PATCHES, folder / "patches")
     return folder
@@ -195,7 +195,7 @@ def test_device_kit_build_fails_on_an_up_to_date_kit_when_a_hook_target_is_missi
     (repo / "patches" / "bogus_hook.py").write_text(REGISTER_BOGUS)
     kit = REPO / ".device-kit"
     before = (kit / "kit.json").read_text()
-    proc = subprocess.run(["bash", str(repo / "scripts" / "device_kit.sh"), "build"], capture_output=True,
+    proc = subprocess.run(["bash", str(repo / "scripts" / "kit.sh"), "device", "build"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "MFD_DEVICE_KIT": str(kit),
                                                         "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(offline_wheels)})
     assert proc.returncode != 0, proc.stdout[-3000:]
@@ -209,7 +209,7 @@ def test_device_kit_build_fails_when_the_prune_list_removes_a_hook_target(offlin
     repository_copy(tmp_path)
     prune = (REPO / "scripts" / "device_kit_prune.txt").read_text()
     (tmp_path / "scripts" / "device_kit_prune.txt").write_text(prune + "sglang/srt/speculative/ngram_worker.py\n")
-    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "device_kit.sh"), "build"], capture_output=True,
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "kit.sh"), "device", "build"], capture_output=True,
                           text=True, timeout=900, env={**os.environ, "MFD_DEVICE_KIT": str(tmp_path / "kit"),
                                                         "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(offline_wheels)})
     assert proc.returncode != 0, proc.stdout[-3000:]

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from mfd_sglang.checkpoint import load_drafter, parse_drafter_config
-from mfd_sglang.serving.memory import VerifyGraphPlan, memory_plan, reserve_in_mem_fraction, verify_graph_plan
+from mfd_sglang.serving.launch.memory import VerifyGraphPlan, memory_plan, reserve_in_mem_fraction, verify_graph_plan
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -77,7 +77,7 @@ def test_a_budget_schedule_plans_its_largest_round():
     12 (tests/test_budget_schedule.py), so it plans that round, far below 48 x 65 verified tokens."""
     import dataclasses
 
-    from mfd_sglang.serving.budget_schedule import BudgetSchedule, RoundModel
+    from mfd_sglang.serving.budget.schedule import BudgetSchedule, RoundModel
 
     plan = _plan()
     target = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -180,7 +180,7 @@ def test_verify_graph_plan_counts_what_sglangs_backends_allocate_for_a_window(ba
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
-    from mfd_sglang.serving.memory import FLASHINFER_WRAPPER_INT_WORKSPACE, SMALL_GRAPH_STATE
+    from mfd_sglang.serving.launch.memory import FLASHINFER_WRAPPER_INT_WORKSPACE, SMALL_GRAPH_STATE
 
     # A GPU's tree mask (this machine's SGLang picks the CPU kernels' small one).
     monkeypatch.setattr(verify_mask, "default_tree_mask_mode", lambda: TreeMaskMode.FULL_MASK)

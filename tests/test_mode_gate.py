@@ -177,7 +177,7 @@ def test_the_serving_draft_stage_drafts_the_reference_engines_weighted_tree(tiny
     between requests here."""
     from test_serving import DRAFT_STAGE_BUDGET, _draft_stage
 
-    from mfd_sglang.serving.budget import Arm
+    from mfd_sglang.serving.budget.rule import Arm
 
     stage, table = _draft_stage(tiny_pair, "cpu")
     budget = DRAFT_STAGE_BUDGET

@@ -4,7 +4,7 @@ relative, `from . import x`, and imports inside functions:
 - no import cycle between the package's modules (`mfd_sglang`, with `kernels/` and `patches/` as installed:
   `mfd_sglang.kernels`, `mfd_sglang.patches`): a kernel never imports the module that dispatches to it (the
   stages' hand-offs live below both, `mfd_sglang.handoffs`; shared numbers in `kernels/params.py`), the launch
-  plans memory through `serving.memory` and not the other way round;
+  plans memory through `serving.launch.memory` and not the other way round;
 - the algorithms (spec class, registration) and the worker never import each other; `mfd_sglang.plugin`
   composes them (it hands the worker factory to `register_algorithms`)."""
 
@@ -65,11 +65,12 @@ from .budget import worker
                             "from . import worker as w", "from ..serving.worker import MFDWorkerV2"})
 
 
-@pytest.mark.parametrize("importer, imported", [("algorithms", "worker"), ("worker", "algorithms")])
+@pytest.mark.parametrize("importer, imported", [("launch.algorithms", "worker"), ("worker", "launch.algorithms")])
 def test_algorithms_and_worker_do_not_import_each_other(importer, imported):
-    source = (SERVING / f"{importer}.py").read_text()
-    found = imports_of(source, PACKAGE, f"{PACKAGE}.{imported}")
-    assert not found, (f"serving/{importer}.py imports serving/{imported}.py ({'; '.join(found)}): the two must not "
+    module = f"{PACKAGE}.{importer}"
+    source = (SERVING / f"{importer.replace('.', '/')}.py").read_text()
+    found = imports_of(source, module.rsplit(".", 1)[0], f"{PACKAGE}.{imported}")
+    assert not found, (f"{module} imports {PACKAGE}.{imported} ({'; '.join(found)}): the two must not "
                        "import each other; mfd_sglang/plugin.py composes them")
 
 
@@ -141,6 +142,6 @@ def test_cycles_finds_a_cycle_through_an_import_inside_a_function():
 
 def test_the_package_has_no_import_cycle():
     graph = module_graph()
-    assert {"mfd_sglang.tree", "mfd_sglang.kernels.mixture_tree", "mfd_sglang.serving.worker",
+    assert {"mfd_sglang.tree", "mfd_sglang.kernels.tree_mixture", "mfd_sglang.serving.worker",
             "mfd_sglang.patches.mfd_flags"} <= set(graph)
     assert not cycles(graph), cycles(graph)

@@ -19,7 +19,7 @@ import torch
 from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
-from mfd_sglang.serving.options import (MAX_BUDGET, budget_from_num_draft_tokens, default_num_draft_tokens,
+from mfd_sglang.serving.launch.options import (MAX_BUDGET, budget_from_num_draft_tokens, default_num_draft_tokens,
                                         read_options)
 from mfd_sglang.patches.request_checks import unsupported_request_features
 from servers import resolve
@@ -70,7 +70,7 @@ def _server_args(tiny_pair, **changes):
     ({"speculative_draft_model_path": None}, "needs --speculative-draft-model-path DIR"),
 ])
 def test_validate_server_args(tiny_pair, changes, message):
-    from mfd_sglang.serving.launch import validate_server_args
+    from mfd_sglang.serving.launch.resolve import validate_server_args
 
     args = _server_args(tiny_pair, **changes)
     if message is None:
@@ -147,7 +147,7 @@ def test_mfd_options_are_sglang_flags(tiny_pair, tmp_path):
 
 
 def test_validate_server_args_rejects_more_modes_than_the_drafter_has(tiny_pair, monkeypatch):
-    from mfd_sglang.serving.launch import validate_server_args
+    from mfd_sglang.serving.launch.resolve import validate_server_args
 
     monkeypatch.setenv("MFD_SGLANG_NUM_MODES", "9")
     with pytest.raises(ValueError, match="has 4 mode"):
@@ -155,7 +155,7 @@ def test_validate_server_args_rejects_more_modes_than_the_drafter_has(tiny_pair,
 
 
 def test_validate_server_args_refuses_the_automatic_budget_under_tensor_parallelism(tiny_pair, monkeypatch):
-    from mfd_sglang.serving.launch import validate_server_args
+    from mfd_sglang.serving.launch.resolve import validate_server_args
 
     monkeypatch.setenv("MFD_SGLANG_AUTO_BUDGET", "1")
     validate_server_args(_server_args(tiny_pair))
@@ -165,7 +165,7 @@ def test_validate_server_args_refuses_the_automatic_budget_under_tensor_parallel
 
 def test_last_target_layer_is_rejected(tiny_pair, tmp_path):
     from mfd_sglang.checkpoint import CheckpointError
-    from mfd_sglang.serving.launch import check_capturable_layers
+    from mfd_sglang.serving.launch.resolve import check_capturable_layers
 
     ckpt = load_drafter(tiny_pair / "drafter")
     check_capturable_layers(ckpt, tiny_pair / "target")
@@ -297,7 +297,7 @@ def test_attention_backend_is_one_that_applies_the_tree_mask(device, given, flas
                                                               monkeypatch):
     import importlib.util
 
-    from mfd_sglang.serving.launch import resolve_attention_backend
+    from mfd_sglang.serving.launch.resolve import resolve_attention_backend
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
@@ -318,7 +318,7 @@ def test_attention_backend_is_one_that_applies_the_tree_mask(device, given, flas
 
 @pytest.mark.parametrize("given", [{}, {"attention_backend": "torch_native"}])
 def test_cpu_refuses_attention_backends_without_a_tree_mask(given):
-    from mfd_sglang.serving.launch import resolve_attention_backend
+    from mfd_sglang.serving.launch.resolve import resolve_attention_backend
 
     args = SimpleNamespace(device="cpu", attention_backend=None, prefill_attention_backend=None,
                            decode_attention_backend=None)
@@ -345,7 +345,7 @@ def test_instantiated_attention_backend_is_checked():
     from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
     from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
 
-    from mfd_sglang.serving.target_checks import check_tree_verify_attention
+    from mfd_sglang.serving.launch.target_checks import check_tree_verify_attention
 
     tree_mask, no_tree_mask = _attention_backends()
     for cls in tree_mask:
@@ -416,7 +416,7 @@ def test_verify_graphs_are_captured_with_the_tree_mask(backend):
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from mfd_sglang.plugin import mfd_worker_class
-    from mfd_sglang.serving.algorithms import register_algorithms
+    from mfd_sglang.serving.launch.algorithms import register_algorithms
     from mfd_sglang.serving.verify_graph import MFDVerifyCudaGraphRunner
 
     register_algorithms(mfd_worker_class)
@@ -450,7 +450,7 @@ from types import SimpleNamespace
 from sglang.srt.runtime_context import get_spec, publish
 from sglang.srt.server_args import ServerArgs
 from mfd_sglang.plugin import mfd_worker_class
-from mfd_sglang.serving.algorithms import register_algorithms
+from mfd_sglang.serving.launch.algorithms import register_algorithms
 from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth, capture_verify_width
 
 register_algorithms(mfd_worker_class)
@@ -559,7 +559,7 @@ def check_draft_graphs_match_eager(tiny_pair, device: str, use_graph: bool):
     when drafted alone, for each arm (drafting path, budget: the launch budget and a smaller one, as
     the automatic budget captures them)."""
     from mfd_sglang.cuda_graph import BatchGraphs
-    from mfd_sglang.serving.budget import Arm
+    from mfd_sglang.serving.budget.rule import Arm
 
     stage, table = _draft_stage(tiny_pair, device)
     graphs = BatchGraphs(stage.paged_tree,

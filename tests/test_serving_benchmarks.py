@@ -155,10 +155,10 @@ def test_demo_reads_the_automatic_budgets_choice_from_the_log(caplog):
     import logging
 
     from mfd_sglang.demo import auto_budget_choice
-    from mfd_sglang.serving.budget import PLAIN, BudgetChooser, describe
+    from mfd_sglang.serving.budget.rule import PLAIN, BudgetChooser, describe
 
     chooser = BudgetChooser(8)
-    with caplog.at_level(logging.INFO, logger="mfd_sglang.serving.budget"):
+    with caplog.at_level(logging.INFO, logger="mfd_sglang.serving.budget.rule"):
         assert auto_budget_choice(caplog.text) is None
         for _ in range(20):  # plain decoding is cheaper and a tree of any size accepts nothing here
             arm = chooser.choose(1)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from mfd_sglang.server_process import free_port, launch_command
-from mfd_sglang.serving.target_checks import check_target_runner, target_refusal
+from mfd_sglang.serving.launch.target_checks import check_target_runner, target_refusal
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -60,7 +60,7 @@ def test_qwen3_5_gated_deltanet_hybrids_pass_the_launch_check(tmp_path):
 
 
 def test_validate_server_args_refuses_a_hybrid_target_before_anything_else(tiny_pair, tmp_path):
-    from mfd_sglang.serving.launch import validate_server_args
+    from mfd_sglang.serving.launch.resolve import validate_server_args
 
     target = _write_config(tmp_path / "target", "qwen3_next", "Qwen3NextForCausalLM", num_hidden_layers=4)
     args = SimpleNamespace(speculative_algorithm="MFD", model_path=str(target), trust_remote_code=False,
@@ -131,7 +131,7 @@ def test_worker_start_check_refuses_triton_split_kv_verify(tiny_pair):
 
 
 def test_launch_turns_split_kv_verify_off(tiny_pair):
-    from mfd_sglang.serving.launch import resolve_server_args
+    from mfd_sglang.serving.launch.resolve import resolve_server_args
 
     args = SimpleNamespace(speculative_algorithm="MFD", speculative_draft_model_path=str(tiny_pair / "drafter"),
                            model_path=str(tiny_pair / "target"), dtype="float32", tp_size=1,

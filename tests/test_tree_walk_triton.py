@@ -1,4 +1,4 @@
-"""The Triton tree walks (`kernels.tree_walk`: the verify layout and the accepted path) and the verify's custom
+"""The Triton tree walks (`kernels.verify_layout`, `kernels.accept_path`) and the verify's custom
 mask (`kernels.verify_mask`) against their torch references, bit for bit, on mixture trees of random drafters
 (padding, ties, budgets 0 to 100, depth 15).
 
@@ -16,7 +16,7 @@ from interpreted import main, run_cases
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import build_mixture_tree, empty_tree
 from mfd_sglang.tree_layout import full_custom_mask, local_parents, tree_to_verify_layout
-from mfd_sglang.verify import accept_path
+from mfd_sglang.acceptance import accept_path
 
 
 def random_tree(seed: int, bs: int, num_modes: int, depth: int, vocab: int, budget: int, *, spread=3.0,

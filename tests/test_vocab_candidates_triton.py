@@ -40,7 +40,7 @@ def assert_exact(hidden: torch.Tensor, weight: torch.Tensor, count: int, *, sync
     """Triton = torch for inputs whose logits are exact: ids and logits bit for bit, log-probs and
     normaliser up to float32 rounding. public: through `vocab_candidates(backend="triton")` (the
     default launch; a second kernel run, which the interpreter makes slow). Returns the ids."""
-    from mfd_sglang.kernels.vocab_candidates import vocab_top_logits_triton
+    from mfd_sglang.kernels.draft_vocab import vocab_top_logits_triton
 
     where = (f"hidden {tuple(hidden.shape)} weight {tuple(weight.shape)} {hidden.dtype} count {count} "
              f"launch {launch}")
@@ -212,7 +212,7 @@ def assert_close_random(hidden: torch.Tensor, weight: torch.Tensor, count: int) 
     neighbouring value and move across a run of equal logits. So: the candidates are ranked exactly
     by their own logits, each logit is its row's up to one rounding, nothing left out beats them
     (up to rounding), and they are the torch ones nearly everywhere."""
-    from mfd_sglang.kernels.vocab_candidates import vocab_top_logits_triton
+    from mfd_sglang.kernels.draft_vocab import vocab_top_logits_triton
 
     assert hidden.dtype in (torch.float16, torch.bfloat16)  # rounding dominates the accumulation error
     with host_syncs_raise(hidden.device):

@@ -16,7 +16,7 @@ SITE = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p)
 
 PROBE = """
 import importlib.metadata as md, json, sys
-import mfd_sglang, mfd_sglang.kernels.mixture_tree, mfd_sglang.patches.mfd_flags
+import mfd_sglang, mfd_sglang.kernels.tree_mixture, mfd_sglang.patches.mfd_flags
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.speculative.spec_registry import get_spec

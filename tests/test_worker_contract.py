@@ -60,7 +60,7 @@ def test_every_name_sglang_reads_from_a_spec_worker_is_the_workers_own():
 def test_is_mfd_answers_for_every_spelling_sglang_hands_it():
     from types import SimpleNamespace
 
-    from mfd_sglang.serving.algorithms import is_mfd
+    from mfd_sglang.serving.launch.algorithms import is_mfd
 
     assert is_mfd("MFD") and is_mfd("mfd_d") and is_mfd(SimpleNamespace(name="MFD_D"))
     assert not is_mfd(None) and not is_mfd("DFLASH") and not is_mfd(SimpleNamespace(name="EAGLE"))

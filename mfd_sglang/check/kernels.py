@@ -31,7 +31,7 @@ import torch
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.tree_layout import full_custom_mask, tree_to_verify_layout
-from mfd_sglang.verify import accept_path
+from mfd_sglang.acceptance import accept_path
 
 from .run import measured_row
 
@@ -67,7 +67,7 @@ def mismatches(want, have, prefix: str) -> list[str]:
 
 
 def walk_mismatches(tree: DraftTree, device: str) -> tuple[list[str], int]:
-    """What of the Triton walks (`kernels.tree_walk`: verify layout, accepted path) and custom mask
+    """What of the Triton walks (`kernels.verify_layout`, `kernels.accept_path`) and custom mask
     (`kernels.verify_mask`) differs from the torch ones, run without a host sync, for a target that follows
     each node's first child (deep paths); also the longest accept."""
     bs = tree.tokens.shape[0]
@@ -107,7 +107,7 @@ def tree_rows(device: str, shapes, dtypes=(torch.float32, torch.bfloat16)) -> It
 # --- the drafter's vocabulary top-B and its attention ------------------------------------------------------
 
 def vocab_rows(device: str, shapes, grids=("integers", "random")) -> Iterator[dict]:
-    """The fused lm_head + top-B kernels (`kernels/vocab_candidates.py`) against the torch `vocab_candidates`;
+    """The fused lm_head + top-B kernels (`kernels/draft_vocab.py`) against the torch `vocab_candidates`;
     shapes: (bs, K, D, H, V, B) each; grids: "integers" (exact logits) and / or "random" (bf16)."""
     from mfd_sglang.drafter import vocab_candidates
 
@@ -132,7 +132,7 @@ def vocab_rows(device: str, shapes, grids=("integers", "random")) -> Iterator[di
 
 
 def mode_attention_rows(device: str, shapes, dtypes) -> Iterator[dict]:
-    """The fused mode attention (`kernels/mode_attention.py`) against the float32 reference; shapes:
+    """The fused mode attention (`kernels/draft_mode_attention.py`) against the float32 reference; shapes:
     (bs, K, T, Hq, Hkv, d, context lengths) each."""
     from mfd_sglang.mode_attention import mode_attention, random_inputs
 
@@ -162,11 +162,11 @@ def random_tensor(gen: torch.Generator, device: str, dtype: torch.dtype, *shape,
 
 
 def norm_rope_rows(device: str, cases) -> Iterator[dict]:
-    """q / k RMSNorm + rope in one launch (`kernels/norm_rope.py`) against `rms_norm` then `apply_rope`; cases:
+    """q / k RMSNorm + rope in one launch (`kernels/draft_norm_rope.py`) against `rms_norm` then `apply_rope`; cases:
     (dtype, bs, T, q heads, kv heads, head dim, layers, rope theta, eps) each: queries and keys (a layer's
     attention), and keys alone under the layers' stacked weights (the context keys of every layer at once)."""
     from mfd_sglang.drafter import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
-    from mfd_sglang.kernels.norm_rope import norm_rope_
+    from mfd_sglang.kernels.draft_norm_rope import norm_rope_
 
     for dtype, bs, t, q_heads, kv_heads, dim, layers, theta, eps in cases:
         def compare(row):
@@ -197,10 +197,10 @@ def norm_rope_rows(device: str, cases) -> Iterator[dict]:
 
 
 def residual_mlp_rows(device: str, cases) -> Iterator[dict]:
-    """Residual add + RMSNorm and SiLU x up (`kernels/residual_mlp.py`); cases: (dtype, rows, width,
+    """Residual add + RMSNorm and SiLU x up (`kernels/draft_residual_mlp.py`); cases: (dtype, rows, width,
     intermediate) each."""
     from mfd_sglang.drafter import rms_norm
-    from mfd_sglang.kernels.residual_mlp import add_rms_norm, silu_mul
+    from mfd_sglang.kernels.draft_residual_mlp import add_rms_norm, silu_mul
 
     for dtype, rows, width, intermediate in cases:
         def compare(row):
@@ -223,11 +223,11 @@ def residual_mlp_rows(device: str, cases) -> Iterator[dict]:
 
 
 def block_input_rows(device: str, cases) -> Iterator[dict]:
-    """The block's embeddings, mode vectors, positions and first RMSNorm in one launch (`kernels/block_input.py`);
+    """The block's embeddings, mode vectors, positions and first RMSNorm in one launch (`kernels/draft_block_input.py`);
     cases: (dtype, bs, K, block, width, vocab, mask id) each, with mode vectors shared by the batch and per
     request."""
     from mfd_sglang.drafter import rms_norm
-    from mfd_sglang.kernels.block_input import block_input
+    from mfd_sglang.kernels.draft_block_input import block_input
 
     for (dtype, bs, num_modes, block, width, vocab, mask_id), per_request in itertools.product(cases, (False, True)):
         def compare(row):

@@ -268,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     from mfd_sglang.backend import resolve_backend
     from mfd_sglang.checkpoint import check_fits_target, load_drafter, target_text_config
-    from mfd_sglang.serving.options import MAX_BUDGET, default_num_draft_tokens
+    from mfd_sglang.serving.launch.options import MAX_BUDGET, default_num_draft_tokens
 
     from .servers import ServerLogs
 

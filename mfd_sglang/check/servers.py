@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mfd_sglang.serving.budget import candidate_budgets
+from mfd_sglang.serving.budget.rule import candidate_budgets
 from mfd_sglang.server_process import ServerProcess, free_port, launch_command, log_tail, post_json
 
 NEAR_TIE_NATS = 0.25

@@ -86,7 +86,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 def hybrid_target(argv: list[str]) -> bool:
     """Whether --model-path (or --model) is a local model directory whose config.json names recurrent
     layers (a hybrid linear-attention target)."""
-    from mfd_sglang.serving.target_checks import hybrid_markers
+    from mfd_sglang.serving.launch.target_checks import hybrid_markers
 
     path = _flag_value(argv, "--model-path") or _flag_value(argv, "--model")
     config = Path(path) / "config.json" if path else None

@@ -1,12 +1,12 @@
 """Acceptance evaluation by replay: chain vs DDTree (single-mode drafter) vs MFD, per budget.
 
 Every method emits the same tokens: the target's own continuation of the prompt (greedy at T = 0;
-at T > 0 plain sampling with the coin of (the request's seed, the position), see verify.py). So a
+at T > 0 plain sampling with the coin of (the request's seed, the position), see acceptance.py). So a
 round's outcome depends only on where it starts: the tree drafted at that committed length and the
 continuation after it. The evaluation therefore decodes each prompt once with the target alone
 (`continue_prompt`, keeping its hidden states), drafts at every position a round can start from
 (`drafts_at_round_starts`), walks each method's tree there against the continuation
-(`round_outcomes`, with verify.py's own `accept_path`), and follows each method's rounds from the
+(`round_outcomes`, with acceptance.py's own `accept_path`), and follows each method's rounds from the
 first start (`walk`). These are the reference engine's rounds, round for round (tests/test_evaluate.py
 holds them equal), for one target decode plus the drafting instead of a verify forward of B + 1
 tokens per round, method and budget. Speed is not measured here (benchmarks/hf_speed.py times the
@@ -53,7 +53,7 @@ from ..drafter import DraftContext, MFDDrafter, context_features
 from ..hf import SamplingParams, batch_sampling
 from ..tree import DraftTree, build_chain, build_mixture_tree, top_candidates, weigh_modes
 from ..tree_layout import with_root
-from ..verify import Sampling, accept_path, sample_from_logits
+from ..acceptance import Sampling, accept_path, sample_from_logits
 
 
 @dataclass

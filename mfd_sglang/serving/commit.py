@@ -1,5 +1,5 @@
 """The commit stage of a speculative round, shared by the SGLang worker (`MFDWorkerV2.commit_verified`)
-and the round-cost benchmark (`benchmarks/round_cost.py`), so the code that is measured is the code
+and the round-cost harness (`mfd_sglang/round_cost.py`), so the code that is measured is the code
 that serves.
 
 After the verify forward over each request's window `[root, B tree nodes]` the round commits the root
@@ -18,9 +18,9 @@ import torch
 
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree_layout import with_root
-from mfd_sglang.verify import TreeVerifyResult
+from mfd_sglang.acceptance import TreeVerifyResult
 
-from .draft_context_pool import DeferredContextWrites, DraftContextPool
+from mfd_sglang.serving.draft_context_pool import DeferredContextWrites, DraftContextPool
 
 
 def committed_window_path(accepted: torch.Tensor, width: int) -> torch.Tensor:

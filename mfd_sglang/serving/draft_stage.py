@@ -9,7 +9,7 @@ decoding: no draft, the root alone.
 
 Every step runs on the stage's `backend` (`mfd_sglang.backend`: resolved once per worker from
 --mfd-kernels and the device), which the drafter holds too (`MFDDrafter.join_projections`): "triton" (the
-fused lm_head + top-B, `kernels/vocab_candidates.py`; the tree kernel; the layout walk; the mode attention;
+fused lm_head + top-B, `kernels/draft_vocab.py`; the tree kernel; the layout walk; the mode attention;
 the drafter's fused steps) or "torch" (the references: vocabulary in chunks, and so on).
 
 The drafter reads the committed context from `DraftContextPool` at the target's KV slots: in place
@@ -39,8 +39,8 @@ from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree, empty_tree
 from mfd_sglang.tree_layout import VerifyLayout, tree_to_verify_layout
 
-from .budget import Arm
-from .draft_context_pool import DraftContextPool
+from mfd_sglang.serving.budget.rule import Arm
+from mfd_sglang.serving.draft_context_pool import DraftContextPool
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import torch
 
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
-from mfd_sglang.verify import TreeVerifyResult
+from mfd_sglang.acceptance import TreeVerifyResult
 
-from .commit import committed_window_path
-from .sampling_mask import sampling_mask_output
+from mfd_sglang.serving.commit import committed_window_path
+from mfd_sglang.serving.sampling_mask import sampling_mask_output
 
 
 def attach_logprobs(batch, logits_output, logits: torch.Tensor, tokens: torch.Tensor, width: int) -> None:

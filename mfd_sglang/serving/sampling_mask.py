@@ -3,7 +3,7 @@
 SGLang's sampler returns, for each token of a request that asks for it, the token ids its sampler could
 have drawn (the support of top-k / top-p / min-p after temperature) with the log-probability of the
 token drawn ("selected") or of every supported token ("support"), renormalised over the support. MFD
-draws each emitted token from exactly that law at its tree node (`mfd_sglang.verify.plain_law`, on the
+draws each emitted token from exactly that law at its tree node (`mfd_sglang.acceptance.plain_law`, on the
 node's logits after penalties, logit bias and grammar), so the support of that law at the node's row is
 the answer. Greedy requests (top_k 1) get their token alone, with log-probability 0, as in SGLang.
 
@@ -19,7 +19,7 @@ import torch
 from sglang.srt.layers.logits_processor import SamplingMaskOutput, SamplingMaskStatus
 from sglang.srt.runtime_context import get_exec
 
-from ..verify import plain_law
+from mfd_sglang.acceptance import plain_law
 
 
 def sampling_mask_output(sampling_info, logits: torch.Tensor, tokens: torch.Tensor,

@@ -31,7 +31,7 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 from sglang.srt.runtime_context import get_context, get_spec
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 
-from .tree_verify import tree_verify_input
+from mfd_sglang.serving.verify import tree_verify_input
 
 logger = logging.getLogger(__name__)
 

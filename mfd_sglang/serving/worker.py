@@ -6,11 +6,11 @@ SGLang's DFlash-family capture) and the drafter's context K/V of every prompt to
 
 Each decode round, with no host sync on a device:
   arm     the round's drafting path and budget: the launch budget (MFD_D: the single-mode path while
-          >= threshold requests run), or the automatic budget's choice (`auto_budget`);
+          >= threshold requests run), or the automatic budget's choice (`budget.auto`);
   draft   + tree: the drafter fills a block `[last token, MASK...]` per mode in one forward over the
           committed context and the mixture tree keeps the B best prefixes over all modes, laid out
           for SGLang's verify (`draft_stage`; one CUDA graph per batch-size bucket and arm on CUDA);
-  verify  the root and the B nodes through SGLang's tree-verify forward (`tree_verify`; a replay of
+  verify  the root and the B nodes through SGLang's tree-verify forward (`verify`; a replay of
           the target's tree-verify CUDA graph, `verify_graph`);
   accept  the longest path the target agrees with and the bonus token, by the plain server's law
           (`accept`); under tensor parallelism every rank takes rank 0's (`from_rank0`);
@@ -43,21 +43,22 @@ from sglang.srt.utils import async_h2d
 
 from mfd_sglang.backend import resolve_backend
 from mfd_sglang.checkpoint import load_drafter, target_text_config
-from mfd_sglang.verify import TreeVerifyResult
+from mfd_sglang.acceptance import TreeVerifyResult
 
-from .accept import accept_tree, pad_result, sample_first_tokens
-from .auto_budget import AutoBudget
-from .budget import Arm, Path, mode_paths
-from .budget_schedule import budget_schedule, varying_budgets
-from .calibration import placeholder_verify_batch
-from .commit import commit_round
-from .draft_stage import DraftStage
-from .memory import drafter_memory_plan
-from .options import attention_dp_size, budget_from_num_draft_tokens, draft_quantization, read_options
-from .outputs import first_token_outputs, round_outputs
-from .target_checks import check_target_runner, check_tree_verify_attention
-from .tree_verify import VerifiedTree, idle_verify, layout_verify_input, reserved_lens, verify_tree
-from .verify_graph import verify_graphs_by_width
+from mfd_sglang.serving.accept import accept_tree, pad_result, sample_first_tokens
+from mfd_sglang.serving.budget.auto import AutoBudget
+from mfd_sglang.serving.budget.rule import Arm, Path, mode_paths
+from mfd_sglang.serving.budget.schedule import budget_schedule, varying_budgets
+from mfd_sglang.serving.budget.calibration import placeholder_verify_batch
+from mfd_sglang.serving.commit import commit_round
+from mfd_sglang.serving.draft_stage import DraftStage
+from mfd_sglang.serving.launch.memory import drafter_memory_plan
+from mfd_sglang.serving.launch.options import (attention_dp_size, budget_from_num_draft_tokens, draft_quantization,
+                                               read_options)
+from mfd_sglang.serving.outputs import first_token_outputs, round_outputs
+from mfd_sglang.serving.launch.target_checks import check_target_runner, check_tree_verify_attention
+from mfd_sglang.serving.verify import VerifiedTree, idle_verify, layout_verify_input, reserved_lens, verify_tree
+from mfd_sglang.serving.verify_graph import verify_graphs_by_width
 
 logger = logging.getLogger(__name__)
 
@@ -368,7 +369,7 @@ class MFDWorkerV2(BaseSpecWorker):
         after its last node into the request's state (SGLang's `commit_mamba_states_after_verify`; the
         verify kept every node's state aside); drafter context K/V of the committed tokens (root +
         accepted nodes) into their slots, held for a batched write after a plain-decoding round. The
-        stage itself is `commit_round`, shared with the round-cost benchmark."""
+        stage itself is `commit_round`, shared with the round-cost harness (`mfd_sglang.round_cost`)."""
         verify_batch = verified.batch
         bs = seq_lens.shape[0]
         num_nodes = verify_batch.spec_info.draft_token_num  # the round's window: root + its tree

@@ -5,7 +5,7 @@
 `sglang/srt/speculative/spec_registry.py`); `worker_factory(server_args)` returns the worker class
 and is supplied by the composition root (`mfd_sglang.plugin`), so this module never imports the
 worker. The launch-time callbacks it registers (the validator, `handle_server_args`) live in
-`mfd_sglang.serving.launch`.
+`mfd_sglang.serving.launch.resolve`.
 
 `is_mfd(algorithm)` is the one answer to "is this MFD or MFD_D?": it takes SGLang's
 `SpeculativeAlgorithm` (or anything with a `.name`), an algorithm name in any case, or None.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .launch import resolve_server_args, validate_server_args
+from mfd_sglang.serving.launch.resolve import resolve_server_args, validate_server_args
 
 ALGORITHMS = ("MFD", "MFD_D")
 

@@ -1,4 +1,4 @@
-"""Start-up cost calibration of the automatic budget (`budget`): before the first request, the
+"""Start-up cost calibration of the automatic budget (`budget.rule`): before the first request, the
 seconds of each arm's draft + tree and of the target's verify forward over the arm's window, at
 one batch size per batch-size bucket the server will run.
 
@@ -32,7 +32,7 @@ from mfd_sglang.timing import median_seconds
 from mfd_sglang.tree import DraftTree
 from mfd_sglang.tree_layout import VerifyLayout
 
-from .budget import Arm, batch_bucket, describe
+from mfd_sglang.serving.budget.rule import Arm, batch_bucket, describe
 
 DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Arm], tuple[DraftTree, VerifyLayout]]
 VerifyFn = Callable[[VerifyLayout, torch.Tensor, int], Callable[[], object]]

@@ -16,7 +16,7 @@ plain dict that rides along to every scheduler process (TP, DP, PD) with the rec
     --mfd-auto-budget                   pick the budget (0: plain decoding, up to B) and, for MFD_D,
                                         the drafting path per decode batch from acceptance and round
                                         times measured while serving, costs calibrated at start-up
-                                        (`budget`, `calibration`); B from --speculative-num-draft-tokens
+                                        (`budget.rule`, `budget.calibration`); B from --speculative-num-draft-tokens
                                         is then the largest. Not with --mfd-switch-threshold.
     --mfd-mode-subsets {on,off}         with the automatic budget and a drafter with a mode gate, offer
                                         (default) or not the paths that draft each request's K/2 and 1
@@ -65,7 +65,7 @@ MAX_BUDGET = 256
 
 def default_num_draft_tokens(device: str) -> int:
     """--speculative-num-draft-tokens when not given: on CUDA 65, the largest budget (64) of the default
-    schedule, which picks each round's budget by its batch size (`budget_schedule`); elsewhere 17, every round."""
+    schedule, which picks each round's budget by its batch size (`budget.schedule`); elsewhere 17, every round."""
     return 65 if str(device).startswith("cuda") else 17
 
 

@@ -1,10 +1,10 @@
-"""The automatic budget in a serving worker (--mfd-auto-budget): what the rule in `budget` needs
+"""The automatic budget in a serving worker (--mfd-auto-budget): what the rule in `budget.rule` needs
 from the server, owned in one place.
 
 `AutoBudget` holds the chooser (`budget.BudgetChooser`: the rule), the round clock, the acceptance of
 recent rounds on its way to the host, the candidate budgets on the device, the target's tree-verify
 graphs at every candidate window (`verify_graph.VerifyGraphsByWidth`, GPU) and the start-up
-calibration (`calibration`). The worker talks to it through four calls:
+calibration (`budget.calibration`). The worker talks to it through four calls:
   `choose(bs)`              this decode round's arm (it records the finished rounds' acceptance and
                             the last round's time first);
   `activate_window(width)`  the verify graphs (and attention backend) of the round's window;
@@ -19,11 +19,11 @@ from collections import deque
 
 import torch
 
-from mfd_sglang.verify import TreeVerifyResult, sub_budget_accept_lens
+from mfd_sglang.acceptance import TreeVerifyResult, sub_budget_accept_lens
 
-from .budget import Arm, BudgetChooser, Path, RoundClock, describe_path
-from .calibration import DraftFn, VerifyFn, calibrate_round_costs
-from .verify_graph import VerifyGraphsByWidth, verify_graphs_by_width
+from mfd_sglang.serving.budget.rule import Arm, BudgetChooser, Path, RoundClock, describe_path
+from mfd_sglang.serving.budget.calibration import DraftFn, VerifyFn, calibrate_round_costs
+from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth, verify_graphs_by_width
 
 
 class AutoBudget:

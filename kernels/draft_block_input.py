@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import require_cuda
-from mfd_sglang.kernels.residual_mlp import store_rms_norm
+from mfd_sglang.kernels.common import require_cuda
+from mfd_sglang.kernels.draft_residual_mlp import store_rms_norm
 
 
 @triton.jit

@@ -35,7 +35,8 @@ import triton.language as tl
 
 from mfd_sglang.kernels.params import pow2
 from mfd_sglang.kernels.bitonic import merge_top, top_k_rows
-from mfd_sglang.kernels.rank_keys import MIN_KEY, key_index, key_score, rank_key, require_cuda
+from mfd_sglang.kernels.common import require_cuda
+from mfd_sglang.kernels.rank_keys import MIN_KEY, key_index, key_score, rank_key
 from mfd_sglang.handoffs import DraftCandidates, DraftTree
 
 _TILE = 4096  # elements per ranking tile: bounds the register footprint of one top-k

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mfd_sglang.kernels.rank_keys import require_cuda
+from mfd_sglang.kernels.common import require_cuda
 
 
 @triton.jit

@@ -213,7 +213,7 @@ def verify_graph_plan(server_args, budget: int, budgets: tuple[int, ...] | None 
     from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    from .budget import candidate_budgets
+    from mfd_sglang.serving.budget.rule import candidate_budgets
 
     if server_args.disable_cuda_graph:
         return None
@@ -293,7 +293,7 @@ def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embe
     vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_budgets: the budgets whose
     tree-verify graphs are captured beside the launch one's (`budget_schedule.varying_budgets`; empty: none);
     schedule: the default `budget_schedule.BudgetSchedule` in force, whose rounds size the working sets."""
-    from .options import attention_dp_size, draft_quantization
+    from mfd_sglang.serving.launch.options import attention_dp_size, draft_quantization
 
     graphs = verify_graph_plan(server_args, budget, verify_budgets) if verify_budgets else None
     # The vocabulary is sharded over the ranks that run one batch: the attention-TP group under attention DP.

@@ -50,7 +50,7 @@ from functools import lru_cache
 from mfd_sglang.checkpoint import DrafterConfig
 from mfd_sglang.gpu_cost import H200, DeviceModel
 
-from .budget import PLAIN, SINGLE_MODE, Arm, Path, candidate_budgets
+from mfd_sglang.serving.budget.rule import PLAIN, SINGLE_MODE, Arm, Path, candidate_budgets
 
 ROUND_STEPS = 2.5  # the break-even accept length the rule allows (module docstring)
 DOUBLING_GAIN = 0.07  # the prior's relative gain in accept length per doubling of the budget (module docstring)
@@ -194,7 +194,7 @@ class BudgetSchedule:
         return (f"by batch size ({', '.join(spans)} requests): of the budgets <= {self.max_budget} whose predicted "
                 f"round costs <= {self.round_steps:g} plain decode steps (H200 roofline), the most tokens per "
                 f"second at +{100 * self.doubling_gain:g}% accepted per doubling "
-                "(mfd_sglang/serving/budget_schedule.py)")
+                "(mfd_sglang/serving/budget/schedule.py)")
 
 
 def num_draft_tokens_given(server_args) -> bool:

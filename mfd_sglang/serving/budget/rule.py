@@ -17,7 +17,7 @@ Cost, per (batch-size bucket, arm): seconds per round, a decayed mean of the tim
 round's start to the next's (`RoundClock`): the scheduler's share and, under overlap scheduling, the
 pipeline's pace are in it, and it needs no device sync. Buckets are powers of two (bs 3 counts as 4).
 Before an arm is timed at a bucket, its cost is estimated from the start-up calibration
-(`calibration`: its draft + verify on placeholder requests) plus the bucket's overhead, the mean
+(`budget.calibration`: its draft + verify on placeholder requests) plus the bucket's overhead, the mean
 amount by which the arms timed there cost more than calibrated (0 until one is timed).
 
 Choice, per round (`BudgetChooser.choose`, each rule in its own method with its reason): the arm with
@@ -131,7 +131,7 @@ class BudgetChooser:
     budgets: tuple[int, ...] = field(init=False)
     acceptance: dict[Arm, DecayedMean] = field(init=False)
     costs: dict[tuple[int, Arm], DecayedMean] = field(init=False)
-    calibrated: dict[int, dict[Arm, float]] = field(init=False)  # bucket: arm: start-up seconds (`calibration`)
+    calibrated: dict[int, dict[Arm, float]] = field(init=False)  # bucket: arm: start-up seconds (`budget.calibration`)
     rounds: dict[int, int] = field(init=False)
     chosen: dict[int, Arm] = field(init=False)
     explored: set[tuple[int, Arm]] = field(init=False)

@@ -158,7 +158,7 @@ def accept_path(tree: DraftTree, target_tokens: Tensor, backend: str = "torch") 
     sample, or (the evaluation's replay) the token a known continuation has after that node's depth.
     backend: "torch", or "triton" (one launch, bit-identical; `tree_layout.runs_triton`)."""
     if runs_triton(backend, tree.tokens):
-        from mfd_sglang.kernels.tree_walk import accept_path_triton
+        from mfd_sglang.kernels.accept_path import accept_path_triton
 
         return accept_path_triton(tree, target_tokens)
     bs, budget = tree.tokens.shape

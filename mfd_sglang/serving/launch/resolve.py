@@ -30,15 +30,15 @@ import logging
 import os
 from pathlib import Path
 
-from .options import attention_dp_size
+from mfd_sglang.serving.launch.options import attention_dp_size
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_server_args(server_args) -> None:
     """Fill the SGLang fields MFD implies (called on SGLang's recording stand-in at launch)."""
-    from .options import default_num_draft_tokens
-    from .target_checks import disable_splitkv_verify
+    from mfd_sglang.serving.launch.options import default_num_draft_tokens
+    from mfd_sglang.serving.launch.target_checks import disable_splitkv_verify
 
     # A hub id becomes its local snapshot here, so every scheduler process loads the drafter from disk.
     drafter = drafter_dir(server_args)
@@ -87,14 +87,14 @@ def plan_launch_memory(server_args) -> None:
     --speculative-draft-model-path, logged (every scheduler's worker logs the plan it computes from the same
     arguments: the two lines agree) and on an accelerator reserved through `reserve_in_mem_fraction`. With
     the default budget on CUDA, the schedule in force is logged too, and its windows planned
-    (`budget_schedule`)."""
+    (`budget.schedule`)."""
     from sglang.srt.utils.common import get_device_memory_capacity
 
     from mfd_sglang.checkpoint import load_drafter
 
-    from .budget_schedule import budget_schedule, varying_budgets
-    from .memory import drafter_memory_plan, reserve_in_mem_fraction
-    from .options import budget_from_num_draft_tokens, read_options
+    from mfd_sglang.serving.budget.schedule import budget_schedule, varying_budgets
+    from mfd_sglang.serving.launch.memory import drafter_memory_plan, reserve_in_mem_fraction
+    from mfd_sglang.serving.launch.options import budget_from_num_draft_tokens, read_options
 
     options = read_options(server_args)
     target = target_config(server_args)
@@ -215,8 +215,8 @@ def validate_server_args(server_args) -> None:
     from mfd_sglang.backend import resolve_backend
     from mfd_sglang.checkpoint import CheckpointError, check_fits_target, load_drafter
 
-    from .options import budget_from_num_draft_tokens, draft_quantization, read_options
-    from .target_checks import target_refusal
+    from mfd_sglang.serving.launch.options import budget_from_num_draft_tokens, draft_quantization, read_options
+    from mfd_sglang.serving.launch.target_checks import target_refusal
 
     algo = str(server_args.speculative_algorithm).upper()
     problems = unsupported_configuration(server_args)

@@ -47,8 +47,9 @@ import triton.language as tl
 
 from mfd_sglang.kernels.params import VOCAB_SPLITS, VOCAB_TILE, pow2
 from mfd_sglang.kernels.bitonic import merge_top, merge_top_rows
+from mfd_sglang.kernels.common import is_interpreted, require_cuda
 from mfd_sglang.kernels.rank_keys import (
-    MIN_KEY, MIN_SHORT_KEY, is_interpreted, key_index, key_score, rank_key, require_cuda,
+    MIN_KEY, MIN_SHORT_KEY, key_index, key_score, rank_key,
     short_key_to_rank_key, short_rank_key,
 )
 from mfd_sglang.handoffs import DraftCandidates
