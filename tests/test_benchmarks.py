@@ -246,7 +246,7 @@ def test_the_server_log_gives_the_verify_graph_widths_and_memory(tmp_path, monke
 
     log = tmp_path / "server.log"
     handler = logging.FileHandler(log)
-    loggers = [logging.getLogger(f"mfd_sglang.serving.{name}") for name in ("memory", "verify_graph")]
+    loggers = [logging.getLogger(f"mfd_sglang.serving.{name}") for name in ("launch.memory", "verify_graph")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:  # as a server logs them: at INFO
         logger.addHandler(handler)
