@@ -116,8 +116,7 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
         candidates = None
         with trace.stage("draft"):
             if s.budget:  # budget 0 (plain decoding) drafts nothing: the root alone
-                context = stage.context_pool.paged(req_to_token, requests, seq_lens, stage.backend)
-                candidates = stage.candidates(roots, seq_lens, context, Arm(CONFIGS[s.config], s.budget))
+                candidates = stage.paged_candidates(roots, seq_lens, requests, Arm(CONFIGS[s.config], s.budget))
         layout_step = trace.labelled("layout", draft_stage.tree_to_verify_layout)
         with trace.stage("tree"), patched(draft_stage, "tree_to_verify_layout", layout_step):
             tree, layout = (stage.tree_of(candidates, roots, seq_lens, s.budget) if s.budget else
@@ -215,7 +214,7 @@ def default_schedule(shape: str, server: str, max_requests: int):
     batches of up to max_requests requests."""
     from mfd_sglang.serving.budget.schedule import BudgetSchedule, RoundModel
     from mfd_sglang.serving.launch.options import (DEFAULT_SWITCH_THRESHOLD, budget_from_num_draft_tokens,
-                                            default_num_draft_tokens)
+                                                   default_num_draft_tokens)
 
     launch_budget = budget_from_num_draft_tokens(default_num_draft_tokens("cuda"))
     return BudgetSchedule(RoundModel.of(*drafter_and_target_configs(shape)), launch_budget, max_requests,

@@ -25,13 +25,13 @@ from typing import Iterable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from .acceptance import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
+                         verify_tree_sampling)
 from .checkpoint import check_fits_target, load_drafter
 from .drafter import DraftContext, MFDDrafter, context_features
 from .timing import timed
 from .tree import DraftTree, build_chain, build_mixture_tree
 from .tree_layout import tree_ancestor_mask
-from .acceptance import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
-                     verify_tree_sampling)
 
 STAGES = ("draft", "tree", "verify", "commit")
 

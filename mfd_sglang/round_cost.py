@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
+from mfd_sglang.acceptance import verify_tree_greedy
 from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.cuda_graph import capture
 from mfd_sglang.drafter import MFDDrafter, rope_cos_sin
@@ -30,7 +31,6 @@ from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.serving.draft_stage import DraftStage
 from mfd_sglang.timing import mean_ms
-from mfd_sglang.acceptance import verify_tree_greedy
 
 BUDGET = 64
 STAGES = ("draft", "tree", "verify", "commit")
@@ -243,9 +243,8 @@ class SpecRound:
 
     def draft(self, roots, cache_lens) -> DraftCandidates:
         """The B best tokens per (mode, position) of the blocks `[root, MASK x D]` at positions cache_lens..,
-        over the context read in place (`DraftStage.paged_tree`'s draft)."""
-        context = self.context.paged(self.req_to_token, self.requests, cache_lens, self.stage.backend)
-        return self.stage.candidates(roots, cache_lens, context, self.arm)
+        over the context read in place (`DraftStage.paged_candidates`)."""
+        return self.stage.paged_candidates(roots, cache_lens, self.requests, self.arm)
 
     def tree(self, candidates: DraftCandidates, roots, cache_lens) -> tuple[DraftTree, VerifyLayout]:
         """The mixture tree of the candidates and its verify layout (`DraftStage.tree_of`)."""

@@ -21,10 +21,10 @@ from dataclasses import replace
 
 import torch
 
+from mfd_sglang.acceptance import Sampling, sample_from_logits
 from mfd_sglang.checkpoint import parse_drafter_config
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.hf import GenerationOutput, SamplingParams, SpeculativeGenerator, plain_greedy
-from mfd_sglang.acceptance import Sampling, sample_from_logits
 
 TOP_K_ALL = 1 << 30  # SGLang's top_k for "no top-k"
 # temperature, top_k, top_p, min_p: a law with real spread on the tiny target, whose T = 1 top-p 0.9 law

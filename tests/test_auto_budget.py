@@ -23,7 +23,7 @@ from conftest import reference_drafter, target_greedy
 from mfd_sglang.checkpoint import load_drafter, save_drafter
 from mfd_sglang.serving.budget import rule as budget_module
 from mfd_sglang.serving.budget.rule import (PLAIN, SINGLE_MODE, Arm, BudgetChooser, Path, RoundClock, batch_bucket,
-                                       candidate_budgets, mode_paths)
+                                            candidate_budgets, mode_paths)
 from mfd_sglang.serving.launch.options import read_options
 from references import TOP_K_ALL, assert_served_as_reference_rounds, reference_sample
 from servers import (generate_ids, log_tail, plugin_env, round_traces, run_six_and_one, served_without_leaks,

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from mfd_sglang.acceptance import TreeVerifyResult
 from mfd_sglang.round_cost import (CONFIGS, STAGES, SpecRound, StaticTarget, TargetConfig, capture_round,
                                    graphs_match_eager, random_drafter, round_cost_rows)
 from mfd_sglang.serving.commit import commit_round
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.tree import build_mixture_tree
 from mfd_sglang.tree_layout import tree_ancestor_mask
-from mfd_sglang.acceptance import TreeVerifyResult
 
 CFG = TargetConfig.tiny()
 

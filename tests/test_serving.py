@@ -20,7 +20,7 @@ from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 from mfd_sglang.serving.launch.options import (MAX_BUDGET, budget_from_num_draft_tokens, default_num_draft_tokens,
-                                        read_options)
+                                               read_options)
 from mfd_sglang.patches.request_checks import unsupported_request_features
 from servers import resolve
 

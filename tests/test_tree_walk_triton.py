@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from interpreted import main, run_cases
+from mfd_sglang.acceptance import accept_path
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import build_mixture_tree, empty_tree
 from mfd_sglang.tree_layout import full_custom_mask, local_parents, tree_to_verify_layout
-from mfd_sglang.acceptance import accept_path
 
 
 def random_tree(seed: int, bs: int, num_modes: int, depth: int, vocab: int, budget: int, *, spread=3.0,

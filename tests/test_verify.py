@@ -4,10 +4,10 @@ its law (from its own function), the distribution of the tree's draws (chi-squar
 import pytest
 import torch
 
+from mfd_sglang.acceptance import (Sampling, plain_law, random_seeds, sample_from_logits, stream_coins,
+                                   sub_budget_accept_lens, verify_tree_greedy, verify_tree_sampling)
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import DraftTree, build_mixture_tree
-from mfd_sglang.acceptance import (Sampling, plain_law, random_seeds, sample_from_logits, stream_coins,
-                               sub_budget_accept_lens, verify_tree_greedy, verify_tree_sampling)
 from references import TOP_K_ALL, assert_follows, sglang_law
 
 

@@ -17,10 +17,10 @@ from typing import Iterator
 
 import torch
 
+from mfd_sglang.acceptance import accept_path
 from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
 from mfd_sglang.tree import DraftCandidates, build_mixture_tree, top_candidates
 from mfd_sglang.tree_layout import tree_to_verify_layout
-from mfd_sglang.acceptance import accept_path
 
 from .run import StructuralSkip, measured_row
 

@@ -28,10 +28,10 @@ from typing import Iterator
 
 import torch
 
+from mfd_sglang.acceptance import accept_path
 from mfd_sglang.cuda_graph import host_syncs_raise
 from mfd_sglang.tree import DraftTree, build_mixture_tree
 from mfd_sglang.tree_layout import full_custom_mask, tree_to_verify_layout
-from mfd_sglang.acceptance import accept_path
 
 from .run import measured_row
 

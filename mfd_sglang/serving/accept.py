@@ -21,10 +21,10 @@ import torch
 
 from sglang.srt.utils import async_h2d
 
+from mfd_sglang.acceptance import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
+                                   verify_tree_sampling)
 from mfd_sglang.tree import DraftTree
 from mfd_sglang.tree_layout import VerifyLayout
-from mfd_sglang.acceptance import (Sampling, TreeVerifyResult, random_seeds, sample_from_logits, verify_tree_greedy,
-                               verify_tree_sampling)
 
 from mfd_sglang.serving.penalties import (OutputPenalties, adjust_tree_logits, count_resumed_output, cumulate,
                                           output_penalties, path_token_counts)

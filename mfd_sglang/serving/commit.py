@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
+from mfd_sglang.acceptance import TreeVerifyResult
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree_layout import with_root
-from mfd_sglang.acceptance import TreeVerifyResult
 
 from mfd_sglang.serving.draft_context_pool import DeferredContextWrites, DraftContextPool
 

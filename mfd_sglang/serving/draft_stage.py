@@ -134,9 +134,15 @@ class DraftStage:
                    key: Arm) -> tuple[DraftTree, VerifyLayout]:
         """draft + tree + layout over the context read in place: fixed shapes, what the CUDA graphs replay
         (key: the arm, as `BatchGraphs` keys its graphs)."""
+        candidates = self.paged_candidates(roots, seq_lens, req_pool_indices, key)
+        return self.tree_of(candidates, roots, seq_lens, key.budget)
+
+    def paged_candidates(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+                         arm: Arm) -> DraftCandidates:
+        """`paged_tree`'s draft alone: the candidates over the context read in place."""
         context = self.context_pool.paged(self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens,
                                           self.backend)
-        return self.tree_of(self.candidates(roots, seq_lens, context, key), roots, seq_lens, key.budget)
+        return self.candidates(roots, seq_lens, context, arm)
 
     def candidates(self, roots: torch.Tensor, seq_lens: torch.Tensor, context, arm: Arm) -> DraftCandidates:
         """The drafter's `arm.budget` best tokens per (mode, position) of the blocks `[root, MASK...]` at

@@ -41,9 +41,9 @@ from sglang.srt.speculative.spec_utils import (GrammarTree, build_grammar_vocab_
                                                 move_accept_tokens_to_target_kvcache)
 from sglang.srt.utils import async_h2d
 
+from mfd_sglang.acceptance import TreeVerifyResult
 from mfd_sglang.backend import resolve_backend
 from mfd_sglang.checkpoint import load_drafter, target_text_config
-from mfd_sglang.acceptance import TreeVerifyResult
 
 from mfd_sglang.serving.accept import accept_tree, pad_result, sample_first_tokens
 from mfd_sglang.serving.budget.auto import AutoBudget
