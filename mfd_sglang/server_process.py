@@ -204,10 +204,12 @@ def post_json(server: ServerProcess, path: str, payload: dict, timeout: float = 
     return r.json()
 
 
-def stream_then_abort(server: ServerProcess, payload: dict, abort_after: int, timeout: float = 600) -> list[dict]:
+def stream_then_abort(server: ServerProcess, payload: dict, abort_after: int, timeout: float = 600, *,
+                      tokens: bool = False) -> list[dict]:
     """Stream /generate for `payload` (its "rid" set, "stream" on) and abort the request by its id through
-    /abort_request once `abort_after` chunks have arrived; returns the meta_info of every chunk."""
-    chunks = []
+    /abort_request once `abort_after` chunks have arrived (`tokens`: once the chunks report `abort_after`
+    tokens generated); returns the meta_info of every chunk."""
+    chunks, aborted = [], False
     with requests.post(server.base_url + "/generate", json=payload, stream=True, timeout=timeout) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -216,9 +218,11 @@ def stream_then_abort(server: ServerProcess, payload: dict, abort_after: int, ti
                 break
             if body:
                 chunks.append(json.loads(body)["meta_info"])
-                if len(chunks) == abort_after:
+                reached = chunks[-1]["completion_tokens"] if tokens else len(chunks)
+                if not aborted and reached >= abort_after:
                     requests.post(server.base_url + "/abort_request", json={"rid": payload["rid"]},
                                   timeout=60).raise_for_status()
+                    aborted = True
     return chunks
 
 

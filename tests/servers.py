@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +37,43 @@ def plugin_env(*names: str) -> dict:
     `round_trace`) into every server process, beside what PYTHONPATH already holds."""
     folders = [str(REPO / "tests" / "plugins" / name) for name in names]
     return {"PYTHONPATH": os.pathsep.join(filter(None, [*folders, os.environ.get("PYTHONPATH")]))}
+
+
+def hold_file(server: ServerProcess) -> Path:
+    """Where the `hold_admission` test plugin of a server from `start_server` reads its armed hold."""
+    return server.log_path.parent / "hold_admission"
+
+
+@contextlib.contextmanager
+def admitted_together(server: ServerProcess, requests: int, timeout: float = 600, *, schedulers: int = 1):
+    """Within the block, `server` (started with `plugin_env("hold_admission")`) admits no waiting request
+    until `requests` wait, so that the block's concurrent requests share their first batch on any machine.
+    Yields `wait()`, which returns once they were admitted (for a test that must act on them in flight); on
+    leaving, checks that they were admitted together. A server of data-parallel replicas or attention-DP
+    ranks has `schedulers` waiting queues, each holding until its own `requests` wait (the tensor-parallel ranks
+    of one queue hold and log alike)."""
+    path = hold_file(server)
+    generation = int(path.read_text().split()[0]) + 1 if path.exists() else 1
+    armed = path.with_suffix(".new")
+    armed.write_text(f"{generation} {requests}\n")
+    os.replace(armed, path)  # the scheduler never reads half a file
+    since = len(server.log())
+    line = f"hold_admission: generation {generation} admitting {requests} waiting requests"
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while server.log()[since:].count(line) < schedulers:
+            assert time.monotonic() < deadline and server.proc.poll() is None, log_tail(server.log_path)
+            time.sleep(0.2)
+
+    yield wait
+    assert server.log()[since:].count(line) >= schedulers, log_tail(server.log_path)  # tensor-parallel ranks: each
+
+
+def held_rid(tokens: int) -> str:
+    """A request id that the `hold_decode` test plugin holds: once the request has `tokens` output tokens, its
+    server decodes no further until the request is aborted, so an abort sent after them lands in flight."""
+    return f"hold-after-{tokens}-{uuid.uuid4().hex}"
 
 
 class TracedRound(NamedTuple):
@@ -101,7 +141,8 @@ def start_server(tmp_path_factory, tiny_pair, drafter: Path | None, algorithm: s
     (MFD's 48, the target's own) unless a test sets `max_running`."""
     port = free_port()
     log = tmp_path_factory.mktemp("mfd_server") / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1",
+               MFD_TEST_HOLD_FILE=str(log.parent / "hold_admission"), **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
     threshold_flag = () if threshold is None else ("--mfd-switch-threshold", str(threshold))
     cmd = launch_command(target or tiny_pair / "target", port=port, algorithm=algorithm, drafter=drafter,
@@ -159,13 +200,14 @@ class Served(NamedTuple):
 
 
 def run_six_and_one(server: ServerProcess, hf_target, tiny_prompts: list[str]) -> list[Served]:
-    """Six requests of different lengths at once (6 -> 1 running), then one alone: greedy output equal
-    to the target's (`hf_target`: the tiny pair's fp32 model and tokenizer). Returns the seven requests,
-    the lone one last (its accept length: completion_tokens / spec_verify_ct)."""
+    """Six requests of different lengths at once (6 -> 1 running; admitted together, so on any machine: the
+    server loads `plugin_env("hold_admission")`), then one alone: greedy output equal to the target's
+    (`hf_target`: the tiny pair's fp32 model and tokenizer). Returns the seven requests, the lone one last
+    (its accept length: completion_tokens / spec_verify_ct)."""
     model, tok = hf_target
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
     lengths = [8, 24, 12, 32, 10, 16]
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    with admitted_together(server, 6), concurrent.futures.ThreadPoolExecutor(6) as pool:
         outputs = list(pool.map(lambda i: generate_ids(server, prompts[i], lengths[i]), range(6)))
     for ids, n, (got, _) in zip(prompts, lengths, outputs):
         assert got == plain_greedy(model, ids, n), log_tail(server.log_path)

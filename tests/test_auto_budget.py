@@ -26,7 +26,7 @@ from mfd_sglang.serving.budget.rule import (PLAIN, SINGLE_MODE, Arm, BudgetChoos
                                             candidate_budgets, mode_paths)
 from mfd_sglang.serving.launch.options import read_options
 from references import TOP_K_ALL, assert_served_as_reference_rounds, reference_sample
-from servers import (generate_ids, log_tail, plugin_env, round_traces, run_six_and_one, served_without_leaks,
+from servers import (admitted_together, generate_ids, log_tail, plugin_env, round_traces, run_six_and_one, served_without_leaks,
                      start_server)
 
 
@@ -263,7 +263,8 @@ def auto_server(tiny_pair, tmp_path_factory):
     """MFD_D with the automatic budget, at most B = 16, INFO log; no --max-running-requests, as the README
     launches it (MFD resolves 48 at launch: every scheduler process must read that, not the unset flag)."""
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16,
-                       log_level="info", extra_args=("--mfd-auto-budget",), extra_env=plugin_env("round_trace"))
+                       log_level="info", extra_args=("--mfd-auto-budget",),
+                       extra_env=plugin_env("round_trace", "hold_admission"))
     yield from served_without_leaks(srv)
 
 
@@ -291,7 +292,7 @@ def test_auto_budget_drafts_the_arms_it_chooses_and_stays_exact(auto_server, ref
                                              ignored_arm=(False, 16, None))
     print(f"lone request's rounds (arm, accepted): {list(zip(*runs[-1]))}")
     log = auto_server.log()
-    assert re.search(r"MFD memory: .* at 48 requests", log), log_tail(auto_server.log_path)
+    assert re.search(r"MFD memory: .* at most 48 requests", log), log_tail(auto_server.log_path)
     costs = calibrated_costs(log)
     assert len(costs) == 7 and all(len(ms) == batch_bucket(48).bit_length() for ms in costs.values()), costs
     assert all(0 < t < math.inf for ms in costs.values() for t in ms), costs
@@ -307,7 +308,8 @@ def mismatched_server(tiny_pair, tmp_path_factory):
     drafter = tmp_path_factory.mktemp("mismatched") / "drafter"
     save_drafter(drafter, json.loads((tiny_pair / "drafter" / "config.json").read_text()), weights)
     srv = start_server(tmp_path_factory, tiny_pair, drafter, "MFD_D", 16, max_running=6,
-                       log_level="info", extra_args=("--mfd-auto-budget",), extra_env=plugin_env("round_trace"))
+                       log_level="info", extra_args=("--mfd-auto-budget",),
+                       extra_env=plugin_env("round_trace", "hold_admission"))
     srv.drafter = drafter
     yield from served_without_leaks(srv)
 
@@ -339,7 +341,7 @@ def test_auto_budget_keeps_seeded_sampling_and_logprobs(auto_server, hf_target, 
         return generate_ids(auto_server, ids, n if i == 0 else 2 * n, **law, **extra)[0]
 
     assert run(0) == expected
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with admitted_together(auto_server, 4), concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert list(pool.map(run, range(4)))[0] == expected
 
     prompt = tok(tiny_prompts[0], add_special_tokens=False)["input_ids"]

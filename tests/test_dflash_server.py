@@ -29,8 +29,8 @@ import torch
 
 from conftest import target_greedy
 from mfd_sglang.hf import SpeculativeGenerator
-from servers import (chat_template_ids, free_port, generate_ids, launch_command, served_without_leaks, start,
-                     start_server)
+from servers import (admitted_together, chat_template_ids, free_port, generate_ids, launch_command, plugin_env,
+                     served_without_leaks, start, start_server)
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_DRAFTER = REPO / "drafters" / "smollm2-135m" / "dflash"
@@ -38,8 +38,9 @@ MAX_NEW = 32
 
 
 def generate_all(server, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], dict]]:
-    """(output ids, meta_info) of greedy /generate requests, all in flight at once."""
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    """(output ids, meta_info) of greedy /generate requests, all in flight at once: admitted together (the
+    server loads `plugin_env("hold_admission")`), so they share their first batch on any machine."""
+    with admitted_together(server, len(prompts)), ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda ids: generate_ids(server, ids, max_new_tokens), prompts))
 
 
@@ -50,7 +51,8 @@ def accept_length(metas: list[dict]) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_dflash_server(tiny_pair, tiny_dflash_drafter, tmp_path_factory):
-    srv = start_server(tmp_path_factory, tiny_pair, tiny_dflash_drafter, "DFLASH", None, max_running=6)
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_dflash_drafter, "DFLASH", None, max_running=6,
+                       extra_env=plugin_env("hold_admission"))
     yield from served_without_leaks(srv)
 
 
@@ -81,9 +83,11 @@ def smollm2_dflash_server(tmp_path_factory):
     cmd = launch_command(target, port=port, algorithm="DFLASH", drafter=SHIPPED_DRAFTER, dtype="float32",
                          extra_args=["--max-total-tokens", "4096", "--context-length", "1024",
                                      "--max-running-requests", "3", "--log-level", "warning"])
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1")
+    folder = tmp_path_factory.mktemp("dflash_smollm2")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1",
+               MFD_TEST_HOLD_FILE=str(folder / "hold_admission"), **plugin_env("hold_admission"))
     env.setdefault("OMP_NUM_THREADS", "2")
-    srv = start(cmd, tmp_path_factory.mktemp("dflash_smollm2") / "server.log", port=port, env=env)
+    srv = start(cmd, folder / "server.log", port=port, env=env)
     srv.target = target
     yield from served_without_leaks(srv)
 

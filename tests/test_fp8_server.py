@@ -24,7 +24,7 @@ from mfd_sglang.checkpoint import load_drafter
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.hf import SpeculativeGenerator, load_target
 from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, served_without_leaks, start_server
+from servers import admitted_together, generate_ids, log_tail, plugin_env, served_without_leaks, start_server
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET, MAX_NEW = 8, 24
@@ -33,7 +33,8 @@ BUDGET, MAX_NEW = 8, 24
 @pytest.fixture(scope="module")
 def fp8_server(tiny_pair, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD", BUDGET, log_level="info",
-                       extra_args=("--speculative-draft-model-quantization", "fp8"))
+                       extra_args=("--speculative-draft-model-quantization", "fp8"),
+                       extra_env=plugin_env("hold_admission"))
     yield from served_without_leaks(srv)
 
 
@@ -60,7 +61,7 @@ def test_greedy_equals_the_target_and_speculates(fp8_server, hf_target, tiny_pro
     draft tokens (SGLang's spec_accept_length, tokens per verify round, above 1 on average)."""
     model, tok = hf_target
     prompts = [prompt_ids(tok, text) for text in tiny_prompts[:4]]
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    with admitted_together(fp8_server, len(prompts)), concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda ids: generate_ids(fp8_server, ids, MAX_NEW), prompts))
     for ids, (got, _) in zip(prompts, outs):
         assert got == target_greedy(model, ids, MAX_NEW), log_tail(fp8_server.log_path)
@@ -100,7 +101,7 @@ def test_a_seeded_request_is_the_targets_own_sampling(fp8_server, hf_target, tin
     def run(i):
         return generate_ids(fp8_server, ids, n if i == 0 else 2 * n, **law, **({"sampling_seed": 5} if i == 0 else {}))
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with admitted_together(fp8_server, 4), concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert list(pool.map(run, range(4)))[0][0] == expected
 
 
@@ -153,7 +154,7 @@ def test_launch_reads_sglangs_draft_quantization_flag(tiny_pair):
     plan counts the quantized linears; unset or `unquant`, the drafter stays unquantized; a method MFD's
     drafter cannot run (awq) is refused at launch by a message naming the flag and what to pass."""
     methods = ("fp8", None, "unquant", "awq")
-    with concurrent.futures.ThreadPoolExecutor(len(methods)) as pool:  # each imports SGLang, on one core
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each imports SGLang, on one core
         (fp8, fp8_log), *plains, (refused, _) = pool.map(lambda method: resolve(tiny_pair, **(
             {} if method is None else {"speculative_draft_model_quantization": method})), methods)
     assert fp8 == {"method": "fp8", "mfd": "fp8"}

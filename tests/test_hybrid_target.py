@@ -23,7 +23,7 @@ import torch
 
 from conftest import target_greedy
 from mfd_sglang.server_process import launch_command
-from servers import free_port, generate_ids, start
+from servers import admitted_together, free_port, generate_ids, plugin_env, start
 
 MAX_NEW = 24
 SERVERS = {"MFD B=8": ("MFD", 8), "MFD_D auto": ("MFD_D", "auto")}
@@ -56,7 +56,8 @@ def hybrid_server(request, hybrid_pair, tmp_path_factory):
     algorithm, budget = SERVERS[request.param]
     port = free_port()
     log = tmp_path_factory.mktemp("hybrid_server") / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", MFD_SGLANG_AUTO_BUDGET=str(int(budget == "auto")))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MFD_SGLANG_AUTO_BUDGET=str(int(budget == "auto")),
+               MFD_TEST_HOLD_FILE=str(log.parent / "hold_admission"), **plugin_env("hold_admission"))
     env.setdefault("OMP_NUM_THREADS", "2")
     cmd = launch_command(hybrid_pair / "target", port=port, dtype="float32", algorithm=algorithm,
                          drafter=hybrid_pair / "drafter", budget=16 if budget == "auto" else budget, extra_args=[
@@ -100,7 +101,8 @@ def test_the_tree_path_hooks_apply_to_mfd_only(monkeypatch):
 
 def test_concurrent_chunked_and_cached_prefills_match_hf_greedy(hybrid_server, hybrid_prompts, hybrid_greedy):
     assert len({tuple(w) for w in hybrid_greedy}) >= 5, "the continuations must differ (a constant answer proves little)"
-    with concurrent.futures.ThreadPoolExecutor(len(hybrid_prompts)) as pool:
+    with admitted_together(hybrid_server, len(hybrid_prompts)), \
+            concurrent.futures.ThreadPoolExecutor(len(hybrid_prompts)) as pool:  # one batch on any machine
         together = list(pool.map(lambda p: generate_ids(hybrid_server, p, MAX_NEW), hybrid_prompts))
     assert [ids for ids, _ in together] == hybrid_greedy
     # Again one at a time: every prompt now starts from a cached prefix (its own, or a shared one).

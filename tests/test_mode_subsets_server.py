@@ -56,7 +56,7 @@ def gated_drafter(tiny_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_modes_server(tiny_pair, gated_drafter, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, gated_drafter, "MFD", BUDGET, log_level="info",
-                       extra_args=("--mfd-num-modes", "2"))
+                       extra_args=("--mfd-num-modes", "2"), extra_env=plugin_env("hold_admission"))
     yield from served_without_leaks(srv)
 
 
@@ -64,7 +64,7 @@ def two_modes_server(tiny_pair, gated_drafter, tmp_path_factory):
 def auto_server(tiny_pair, gated_drafter, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, gated_drafter, "MFD", BUDGET, log_level="info",
                        extra_args=("--mfd-auto-budget", "--mfd-mode-subsets", "on"),
-                       extra_env=plugin_env("round_trace"))
+                       extra_env=plugin_env("round_trace", "hold_admission"))
     yield from served_without_leaks(srv)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import re
-import uuid
 
 import pytest
 import requests
@@ -32,8 +31,8 @@ import requests
 from conftest import reference_drafter, target_greedy
 from mfd_sglang.server_process import free_port, stream_then_abort
 from references import SPREAD_LAW, assert_served_as_reference_rounds, request_law, spread_samples
-from servers import (Served, assert_healthy_without_leaks, generate_ids, log_tail, plugin_env, post_json,
-                     round_traces, start_server)
+from servers import (Served, admitted_together, assert_healthy_without_leaks, generate_ids, held_rid, log_tail,
+                     plugin_env, post_json, round_traces, start_server)
 
 MAX_NEW = 24
 BUDGET = 8
@@ -51,9 +50,11 @@ def pd(tiny_pair, tmp_path_factory):
     bootstrap_port = free_port()
     servers = []
     try:
-        for extra in (transfer_args("prefill", bootstrap_port), transfer_args("decode"), ()):
+        # the decode server holds a `held_rid` request's decoding until it is aborted
+        for extra, env in ((transfer_args("prefill", bootstrap_port), PD_ENV),
+                           (transfer_args("decode"), {**PD_ENV, **plugin_env("hold_decode")}), ((), PD_ENV)):
             servers.append(start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD", BUDGET,
-                                        log_level="info", extra_args=extra, extra_env=PD_ENV))
+                                        log_level="info", extra_args=extra, extra_env=env))
         prefill, decode, single = servers
         prefill.bootstrap_port = bootstrap_port
         yield prefill, decode, single
@@ -123,13 +124,17 @@ def test_seeded_sampling_equals_a_single_mfd_server(pd, prompts, hf_target):
 
 
 def test_an_abort_on_the_decode_server_leaves_both_servers_exact(pd, prompts, hf_target):
+    """Aborted once 8 tokens are out, and the decode server decodes it no further until the abort lands
+    (`hold_decode`): the abort lands in flight on any machine."""
     prefill, decode, _ = pd
     model, _ = hf_target
-    payload = {**pd_payload(prefill, prompts[2], 200), "rid": uuid.uuid4().hex, "stream": True}
+    held_at = 8
+    payload = {**pd_payload(prefill, prompts[2], 200), "rid": held_rid(held_at), "stream": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(requests.post, prefill.base_url + "/generate", json=payload, timeout=300)
-        chunks = stream_then_abort(decode, payload, abort_after=3, timeout=300)
+        chunks = stream_then_abort(decode, payload, abort_after=held_at, timeout=300, tokens=True)
         assert first.result().status_code == 200
+    assert all(chunk["finish_reason"] is None for chunk in chunks[:-1]), chunks
     assert chunks[-1]["finish_reason"]["type"] == "abort", chunks[-1]
     got, _ = pd_generate(prefill, decode, prompts[2], MAX_NEW)
     assert got == target_greedy(model, prompts[2], MAX_NEW)
@@ -142,26 +147,34 @@ def test_retraction_on_the_decode_server_keeps_exactness(pd, prompts, reference_
     """A second decode server, MFD_D switching to its single-mode path at 2 running requests, with a
     retraction forced every third forward; its requests' KV is backed up and restored (`cpu_tensor`). Without
     overlap scheduling, so that each request's traced rounds are the rounds its output came from (with
-    overlap, a round in flight when its request is retracted is run again)."""
+    overlap, a round in flight when its request is retracted is run again).
+
+    Certain on any machine: the server admits no request until all three have arrived (`hold_admission`), so
+    they decode together from their first round; each needs at least three rounds (23 tokens after the
+    prefill's, at most BUDGET + 1 a round), and of three consecutive forwards one is a retraction forward.
+    A fourth request afterwards, alone, drafts MFD_D's K-mode path."""
     prefill, _, _ = pd
     model, _ = hf_target
     decode = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", BUDGET, threshold=2,
                           log_level="info", extra_args=(*transfer_args("decode"), "--disable-overlap-schedule"),
-                          extra_env={**PD_ENV, "SGLANG_TEST_RETRACT": "1", **plugin_env("round_trace")})
+                          extra_env={**PD_ENV, "SGLANG_TEST_RETRACT": "1", **plugin_env("round_trace", "hold_admission")})
     try:
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            served = list(pool.map(lambda ids: pd_generate(prefill, decode, ids, MAX_NEW), prompts[:3]))
+        together, alone = prompts[:3], prompts[3]
+        with admitted_together(decode, len(together)), concurrent.futures.ThreadPoolExecutor(len(together)) as pool:
+            served = list(pool.map(lambda ids: pd_generate(prefill, decode, ids, MAX_NEW), together))
         retracted = sum(map(int, re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", decode.log())))
         assert retracted > 0, "no request was retracted: the case proves nothing"
-        for ids, (got, _) in zip(prompts, served):
+        served.append(pd_generate(prefill, decode, alone, MAX_NEW))
+        sent = [*together, alone]
+        for ids, (got, _) in zip(sent, served):
             assert got == target_greedy(model, ids, MAX_NEW), log_tail(decode.log_path)
         traces = round_traces(decode)
         paths = {r.arm[0] for rounds in traces.values() for r in rounds}
         assert paths == {False, True}, f"MFD_D's paths drafted (single_mode): {paths}"
-        assert_served_as_reference_rounds([Served(ids, MAX_NEW, meta) for ids, (_, meta) in zip(prompts, served)],
+        assert_served_as_reference_rounds([Served(ids, MAX_NEW, meta) for ids, (_, meta) in zip(sent, served)],
                                           traces, reference_target, reference_drafter(tiny_pair / "drafter"),
                                           ignored_arm=None)
-        accept = 3 * MAX_NEW / sum(meta["spec_verify_ct"] for _, meta in served)
+        accept = len(sent) * MAX_NEW / sum(meta["spec_verify_ct"] for _, meta in served)
         print(f"PD decode with {retracted} retraction(s): accept length {accept:.2f}")
         assert_healthy_without_leaks(decode)
     finally:

@@ -31,7 +31,7 @@ import sys
 import pytest
 import requests
 
-from servers import free_port, log_tail, post_json, served_without_leaks, start
+from servers import admitted_together, free_port, log_tail, plugin_env, post_json, served_without_leaks, start
 from test_docs import documented_commands
 
 MAX_NEW = 32
@@ -80,7 +80,9 @@ def readme_server(request, tiny_pair, tmp_path_factory):
     argv = with_flags(readme_launch(), **LAUNCHES[request.param])
     port = free_port()
     cmd = [sys.executable, "-m", "mfd_sglang.cpu.launch_server", *argv[3:], "--port", str(port)]
-    env = dict(os.environ, SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1")
+    # the hold_admission test plugin (an environment, not a flag): the concurrent requests share a batch
+    env = dict(os.environ, SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", MFD_TEST_HOLD_FILE=str(folder / "hold_admission"),
+               **plugin_env("hold_admission"))
     srv = start(cmd, folder / "server.log", port=port, env=env, cwd=folder)
     srv.launch, srv.argv = request.param, argv
     yield from served_without_leaks(srv)
@@ -102,7 +104,8 @@ def test_the_launch_serves_and_speculates(readme_server, tiny_prompts):
         return post_json(readme_server, "/generate", {"text": prompt, "sampling_params": {
             "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})["meta_info"]
 
-    with concurrent.futures.ThreadPoolExecutor(len(tiny_prompts)) as pool:
+    with admitted_together(readme_server, len(tiny_prompts)), \
+            concurrent.futures.ThreadPoolExecutor(len(tiny_prompts)) as pool:
         metas = list(pool.map(generate, tiny_prompts))
     assert all(m["completion_tokens"] == MAX_NEW for m in metas), metas
     mean_accept = sum(m["completion_tokens"] for m in metas) / sum(m["spec_verify_ct"] for m in metas)
@@ -113,7 +116,8 @@ def test_the_launch_serves_and_speculates(readme_server, tiny_prompts):
 def test_the_scheduler_runs_what_the_launch_resolved(readme_server, tiny_prompts):
     """The worker's own lines in the scheduler process: 48 running requests (MFD's default, resolved at launch
     in another process), budget 16 (the CPU default), and for MFD_D the options: 2 modes drafted, the single-mode path taken by
-    the rounds of 2 or more running requests (the concurrent requests above) and left at fewer."""
+    the rounds of 2 or more running requests (the concurrent requests above, admitted together) and left at
+    fewer."""
     info = requests.get(readme_server.base_url + "/server_info", timeout=60).json()
     assert info["max_running_requests"] == 48 and info["context_length"] is None, info
     log = readme_server.log()
@@ -121,7 +125,7 @@ def test_the_scheduler_runs_what_the_launch_resolved(readme_server, tiny_prompts
     planned = re.findall(r"MFD memory at launch: (.*)", log)
     logged = re.findall(r"MFD memory: (.*)", log)
     assert len(planned) == len(logged) == 1 and planned == logged, (planned, logged)
-    assert " at 48 requests " in logged[0], logged
+    assert "at most 48 requests" in logged[0], logged
     algorithm = readme_server.argv[readme_server.argv.index("--speculative-algorithm") + 1]
     worker = re.search(rf"{algorithm} worker: drafter \./drafter \(\d+ layer\(s\), K = (\d+) mode\(s\).*?, tree "
                        r"budget (\d+), single-mode switch at (\w+) running requests", log)

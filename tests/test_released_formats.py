@@ -46,7 +46,7 @@ from released_layouts import (
     MFD_QWEN3_8B, MFD_QWEN35_4B, ZLAB_QWEN3_8B_B16, deepen_target, drafter_shape, random_zlab_tensors,
     relay_drafter, transformers4_config, transformers5_config, write_layout,
 )
-from servers import generate_ids, log_tail, resolve, served_without_leaks, start_server
+from servers import admitted_together, generate_ids, log_tail, plugin_env, resolve, served_without_leaks, start_server
 
 MAX_NEW = 32
 BUDGET = 16
@@ -146,7 +146,8 @@ def test_replica_drafts_what_the_trained_drafter_drafts(replicas, name):
 def replica_server(request, replicas, tiny_pair, tmp_path_factory):
     """An MFD server (B = 16, fp32) on the replica's deep target with the replica as its drafter."""
     drafter, target, _, _ = replicas[request.param]
-    srv = start_server(tmp_path_factory, tiny_pair, drafter, "MFD", BUDGET, max_running=6, target=target)
+    srv = start_server(tmp_path_factory, tiny_pair, drafter, "MFD", BUDGET, max_running=6, target=target,
+                       extra_env=plugin_env("hold_admission"))
     srv.card, srv.drafter, srv.deep_target = CARDS[request.param], drafter, target
     yield from served_without_leaks(srv)
 
@@ -163,7 +164,7 @@ def test_replica_is_served_exactly_with_the_reference_engines_rounds(replica_ser
     texts = ["one two three four", "alpha bravo charlie", "monday tuesday", "january february march",
              "red orange yellow", "we may go home"]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    with admitted_together(replica_server, len(prompts)), concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         served = list(pool.map(lambda ids: generate_ids(replica_server, ids, MAX_NEW), prompts))
     # The reference engine verifies dense targets only: the hybrid replica's drafts are held to the trained
     # drafter's above, its rounds here to exactness and the accept length.

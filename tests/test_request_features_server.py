@@ -17,13 +17,16 @@ make-tiny pair), held to the plain server (same target, no speculation, no overl
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import re
 
 import pytest
 import requests
 
 from conftest import target_greedy
-from servers import assert_healthy_without_leaks, generate_ids, post_json, served_without_leaks, start_server
+from servers import (admitted_together, assert_healthy_without_leaks, generate_ids, plugin_env, post_json,
+                     served_without_leaks, start_server)
 
 MAX_NEW = 24
 # (name, sampling params): each changes this prompt's plain greedy output (checked).
@@ -41,7 +44,9 @@ FEATURES = [
 def mfd_server(tiny_pair, tmp_path_factory):
     # MFD_D at its default switch threshold (3): a request alone drafts with all K modes, the batched
     # cases (4 to 7 requests in flight) with the single-mode path, so both drafting paths are covered.
-    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=8)
+    # Its batched cases are admitted together (`servers.admitted_together`): one batch on any machine.
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 16, max_running=8,
+                       extra_env=plugin_env("hold_admission"))
     yield from served_without_leaks(srv)
 
 
@@ -72,9 +77,11 @@ def plain_greedy(plain_server, ids: list[int], **params) -> list[int]:
     return plain_finished(plain_server, {"input_ids": ids, "sampling_params": sampling})[0][0]
 
 
-def many(server, ids: list[int], cases: list[dict]) -> list[list[int]]:
-    """Greedy outputs of one request per sampling-params dict, all in flight together."""
-    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+def many(server, ids: list[int], cases: list[dict], *, together: bool = False) -> list[list[int]]:
+    """Greedy outputs of one request per sampling-params dict, all in flight together (`together`: admitted
+    together, on a server with the `hold_admission` plugin)."""
+    with (admitted_together(server, len(cases)) if together else contextlib.nullcontext()), \
+            concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         return list(pool.map(lambda params: generate_ids(server, ids, MAX_NEW, **params)[0], cases))
 
 
@@ -91,21 +98,27 @@ def test_penalties_and_bias_equal_the_plain_server(plain_server, mfd_server, pro
         assert generate_ids(mfd_server, prompt_ids, MAX_NEW, **params)[0] == plain, name
     # All in one batch, with an unpenalised request beside them.
     plain_all = many(plain_server, prompt_ids, cases + [{}])
-    assert many(mfd_server, prompt_ids, cases + [{}]) == plain_all
+    assert many(mfd_server, prompt_ids, cases + [{}], together=True) == plain_all
 
 
 def test_penalties_survive_retraction(tiny_pair, tmp_path_factory, hf_target, tiny_prompts):
     """A request that SGLang retracts (KV pool full; forced every third forward with SGLANG_TEST_RETRACT)
     and prefills again keeps its penalty counts: penalised greedy output equals the target's, while
-    SGLang 0.5.23's plain server forgets the counts there (its penalizers restart at zero)."""
+    SGLang 0.5.23's plain server forgets the counts there (its penalizers restart at zero).
+
+    Certain on any machine: the server admits none of the three requests until all have arrived
+    (`hold_admission`), so they prefill in one batch and decode together; each needs at least three rounds
+    (23 tokens after the prefill's, at most 9 a round at budget 8), and of three consecutive forwards one is
+    a retraction forward."""
     model, tokenizer = hf_target
     prompts = [tokenizer(text)["input_ids"] for text in tiny_prompts[:3]]
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 8, max_running=8,
-                       log_level="info", extra_env={"SGLANG_TEST_RETRACT": "1"})
+                       log_level="info", extra_env={"SGLANG_TEST_RETRACT": "1", **plugin_env("hold_admission")})
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        with admitted_together(srv, len(prompts)), concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(lambda ids: generate_ids(srv, ids, 24, frequency_penalty=1.5)[0], prompts))
-        assert "retract" in srv.log().lower(), "no request was retracted: the case proves nothing"
+        retracted = sum(map(int, re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", srv.log())))
+        assert retracted > 0, "no request was retracted: the case proves nothing"
         assert_healthy_without_leaks(srv)  # retraction frees KV and takes it again: nothing may leak
     finally:
         srv.stop()
@@ -167,9 +180,10 @@ def test_sampling_masks_are_the_plain_servers_at_every_token(plain_server, mfd_s
     server draws one token after prompt + MFD's output so far, with the same settings)."""
     sampled = {"temperature": 1.0, "top_k": 12, "top_p": 0.9, "max_new_tokens": MAX_NEW, "ignore_eos": True}
     greedy = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
-    outs = post_json(mfd_server, "/generate", {
-        "input_ids": [prompt_ids] * 3, "sampling_params": [sampled, sampled, greedy],
-        "return_sampling_mask": True, "sampling_logprobs_mode": ["support", "selected", "support"]})
+    with admitted_together(mfd_server, 3):  # one batch (SGLang sends a batch's requests one by one)
+        outs = post_json(mfd_server, "/generate", {
+            "input_ids": [prompt_ids] * 3, "sampling_params": [sampled, sampled, greedy],
+            "return_sampling_mask": True, "sampling_logprobs_mode": ["support", "selected", "support"]})
     support_out, selected_out, greedy_out = outs
     ids, masks = support_out["output_ids"], sampling_masks(support_out["meta_info"])
     assert len(ids) == len(masks) == MAX_NEW
@@ -275,7 +289,7 @@ def test_constrained_decoding_equals_the_plain_server(plain_server, mfd_server, 
     assert finished(mfd_server, payload) == plain
     # With a penalty or bias too, beside an unconstrained request in one batch.
     adjusted = {**payload, "sampling_params": {**payload["sampling_params"], **adjustment}}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with admitted_together(mfd_server, 2), concurrent.futures.ThreadPoolExecutor(2) as pool:
         ours = list(pool.map(lambda p: finished(mfd_server, p),
                              [adjusted, {"input_ids": prompt_ids, "sampling_params": greedy}]))
     assert ours == [plain_finished(plain_server, adjusted), unconstrained]

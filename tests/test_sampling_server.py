@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from references import SPREAD_LAW, TOP_K_ALL, assert_follows, reference_sample, request_law, sglang_law
-from servers import generate_ids, served_without_leaks, start_server
+from servers import admitted_together, generate_ids, plugin_env, served_without_leaks, start_server
 
 PROMPT = "hello , what next ?"
 # temperature, top_k, top_p, min_p: at most of this prompt's first three steps top-k 3 and top-p .55
@@ -32,7 +32,8 @@ RUNS = 300  # requests per server
 
 @pytest.fixture(scope="module")
 def mfd_server(tiny_pair, tmp_path_factory):
-    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD", 8, max_running=8)
+    srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD", 8, max_running=8,
+                       extra_env=plugin_env("hold_admission"))  # batched cases: `servers.admitted_together`
     yield from served_without_leaks(srv)
 
 
@@ -108,7 +109,7 @@ def test_a_seed_fixes_the_output_alone_and_in_a_batch(mfd_server, hf_target, tin
         return generate_ids(mfd_server, prompts[i], n, **request_law(SPREAD_LAW), **extra)[0]
 
     jobs = cases + [(0, None), (1, None), (0, None)]
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    with admitted_together(mfd_server, len(jobs)), concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         batched = dict(zip(jobs, pool.map(run, jobs)))
     for case in cases:
         assert batched[case] == alone[case], case
@@ -120,7 +121,8 @@ def test_unseeded_requests_in_one_batch_draw_apart(mfd_server, hf_target):
     tokens); requests sharing a stream agree."""
     _, tok = hf_target
     ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
-    outputs = sample_many(mfd_server, ids, (2.0, TOP_K_ALL, 1.0, 0.0), [None] * 8, 24)
+    with admitted_together(mfd_server, 8):
+        outputs = sample_many(mfd_server, ids, (2.0, TOP_K_ALL, 1.0, 0.0), [None] * 8, 24)
     assert len({tuple(got) for got, _ in outputs}) == 8
 
 

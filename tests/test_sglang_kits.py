@@ -41,14 +41,15 @@ import sys
 import tempfile
 import threading
 import unittest
+from types import SimpleNamespace
 from unittest import mock
 
 import requests
 
 from mfd_sglang.lab import smollm2
-from servers import (ServerProcess, assert_healthy_without_leaks, free_port, launch_command, plugin_env,
-                     round_traces, start)
-from sglang.test.kits import radix_cache_server_kit, spec_server_kits
+from servers import (ServerProcess, admitted_together, assert_healthy_without_leaks, free_port, launch_command,
+                     plugin_env, round_traces, start)
+from sglang.test.kits import abort_timeout_kit, radix_cache_server_kit, spec_server_kits
 from sglang.test.kits.abort_timeout_kit import AbortAllMixin
 from sglang.test.kits.basic_api_contract_kit import BasicAPIContractMixin
 from sglang.test.kits.basic_decode_correctness_kit import BasicDecodeCorrectnessMixin
@@ -106,13 +107,15 @@ def start_kit_server(algorithm: str | None, name: str, extra_env: dict | None = 
     and the shipped drafter at tree budget `BUDGET`, under SGLang's strict idle KV-leak check."""
     model = str(smollm2.prepare_target(progress=False).path)
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1", **(extra_env or {}))
+    folder = tempfile.mkdtemp(prefix="mfd-kits-")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE="1",
+               MFD_TEST_HOLD_FILE=os.path.join(folder, "hold_admission"), **(extra_env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
     cmd = launch_command(model, port=port, algorithm=algorithm, drafter=DRAFTER,
                          budget=BUDGET if algorithm else None, dtype="float32", extra_args=[
                              "--max-running-requests", str(MAX_RUNNING_REQUESTS),
                              "--max-total-tokens", "20000", "--log-level", "warning"])
-    return start(cmd, os.path.join(tempfile.mkdtemp(prefix="mfd-kits-"), f"{name}.log"), port=port, env=env)
+    return start(cmd, os.path.join(folder, f"{name}.log"), port=port, env=env)
 
 
 _plain_reference: list[ServerProcess] = []
@@ -212,7 +215,9 @@ MFD_CI_TESTS = {
     AbortAllMixin: ("test_abort_all",),
 }
 assert set(MFD_CI_TESTS) == set(KITS) and all(name in vars(kit) for kit, names in MFD_CI_TESTS.items() for name in names)
-# The kit tests that batch requests (4 and 8 at once), on MFD_D's K-mode tree (`TestMFDDKModeBatchKits`).
+# The kit tests that batch requests, and how many at once; on MFD's servers they are admitted together.
+BATCHED = {"test_batch_generation": 4, "test_concurrent_requests": 8}
+# They run on MFD_D's K-mode tree too (`TestMFDDKModeBatchKits`).
 K_MODE_BATCH_TESTS = {SpecCorrectnessKit: "test_batch_generation", BasicSchedulerStressMixin: "test_concurrent_requests"}
 
 
@@ -308,23 +313,49 @@ def with_k_mode_batches(kit_test):
     return test
 
 
+def admitted_at_once(kit_test, requests: int):
+    """A kit test that sends `requests` requests at once, on a server that admits none of them until all have
+    arrived (`servers.admitted_together`): they share their first batch, and so MFD_D's path and the rounds'
+    batches are the same on any machine."""
+    @functools.wraps(kit_test)
+    def test(self):
+        with admitted_together(self.server, requests):
+            kit_test(self)
+    return test
+
+
+def abort_all_once_admitted(kit_test):
+    """The abort-all kit test, which sends its requests and sleeps before it aborts them all: here it aborts
+    once the server admitted every one of them (`servers.admitted_together`), so that none arrives after the
+    abort to run on, whatever the machine's speed."""
+    @functools.wraps(kit_test)
+    def test(self):
+        with admitted_together(self.server, self.abort_all_num_requests) as wait:
+            with mock.patch.object(abort_timeout_kit, "time", SimpleNamespace(sleep=lambda _: wait())):
+                kit_test(self)
+    return test
+
+
 class TestPlainServerKits(KitServer, *KITS):
     algorithm = None
 
 
 class TestMFDServerKits(KitServer, *KITS):
     algorithm = "MFD"
+    server_env = plugin_env("hold_admission")
 
 
 class TestMFDDKModeBatchKits(KitServer, *K_MODE_BATCH_TESTS):
     """MFD_D whose switch to the single-mode path lies beyond its running requests: its K-mode tree on batches."""
 
     algorithm = "MFD_D"
-    server_env = {"MFD_SGLANG_SWITCH_THRESHOLD": str(MAX_RUNNING_REQUESTS + 1), **plugin_env("round_trace")}
+    server_env = {"MFD_SGLANG_SWITCH_THRESHOLD": str(MAX_RUNNING_REQUESTS + 1),
+                  **plugin_env("round_trace", "hold_admission")}
 
 
 class TestMFDDServerKits(KitServer, *KITS):
     algorithm = "MFD_D"
+    server_env = plugin_env("hold_admission")
 
     @unittest.skipUnless(ALL_KITS, "an 8k-token prefill, about a minute on 2 cores: with MFD_SGLANG_ALL_KITS=1")
     def test_long_prompt(self):
@@ -337,6 +368,10 @@ replace_tests(TestMFDDKModeBatchKits, {name for name in dir(TestMFDDKModeBatchKi
 replace_tests(TestMFDDKModeBatchKits, set(K_MODE_BATCH_TESTS.values()) & set(PLAIN_FAILS), lambda test, name:
               answers_as_the_plain_server(test, PLAIN_FAILS[name]))
 replace_tests(TestMFDDKModeBatchKits, K_MODE_BATCH_TESTS.values(), lambda test, name: with_k_mode_batches(test))
+for speculative in (TestMFDServerKits, TestMFDDServerKits, TestMFDDKModeBatchKits):
+    replace_tests(speculative, set(BATCHED) & set(dir(speculative)),
+                  lambda test, name: admitted_at_once(test, BATCHED[name]))
+    replace_tests(speculative, {"test_abort_all"} & set(dir(speculative)), lambda test, name: abort_all_once_admitted(test))
 replace_tests(TestPlainServerKits, PLAIN_FAILS, lambda test, name: fails_the_kits_check(test, PLAIN_FAILS[name]))
 replace_tests(TestPlainServerKits, SPECULATIVE_ONLY, lambda test, name: unittest.skip(
     "a kit test of speculation: the plain server has no verify rounds")(test))

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import target_greedy
 from references import TOP_K_ALL, reference_sample
-from servers import generate_ids, log_tail, served_without_leaks, start_server
+from servers import admitted_together, generate_ids, log_tail, plugin_env, served_without_leaks, start_server
 
 MAX_NEW = 16
 MIN_MEAN_ACCEPT = 3.0  # tokens per round; the tiny pair accepts ~5 at B = 8 (greedy, alone)
@@ -30,7 +30,7 @@ MIN_MEAN_ACCEPT = 3.0  # tokens per round; the tiny pair accepts ~5 at B = 8 (gr
 @pytest.fixture(scope="module")
 def triton_server(tiny_pair, tmp_path_factory):
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", "MFD_D", 8, threshold=2, log_level="info",
-                       extra_args=("--mfd-kernels", "triton"))
+                       extra_args=("--mfd-kernels", "triton"), extra_env=plugin_env("hold_admission"))
     yield from served_without_leaks(srv)
 
 
@@ -43,7 +43,7 @@ def test_the_worker_runs_the_triton_kernels(triton_server):
 def test_batched_and_single_requests_equal_greedy_and_accept_long_paths(triton_server, hf_target, tiny_prompts):
     model, tok = hf_target
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:3]]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with admitted_together(triton_server, 3), concurrent.futures.ThreadPoolExecutor(3) as pool:  # one batch
         batched = list(pool.map(lambda ids: generate_ids(triton_server, ids, MAX_NEW), prompts))
     alone = generate_ids(triton_server, prompts[0], MAX_NEW)
     for ids, (got, _) in zip(prompts + prompts[:1], batched + [alone]):
