@@ -163,6 +163,15 @@ def _vocab_finish_kernel(
     tl.store(lognorm_ptr + row, lognorm)
 
 
+def _vocab_top_warps(block_rows: int, tile: int, bb: int) -> int:
+    """Warps of a `_vocab_top_kernel` program: 4 for a key tile of at most 2048 keys with a running top of at most
+    16, else 8. A 16 x 128 tile (one request's single mode: <= 16 rows) with a running top of 32 or 64 keeps 16
+    bytes of local memory on 4 warps (128 registers, sm_90a at B = 32 and 64, sm_80 at 32); on 8 warps it has
+    102-106 registers and none. The warps split the rows and tile, not the dot's hidden chunks: the same logits and
+    candidates (the normaliser up to its float32 summation order, as the module docstring allows)."""
+    return 4 if block_rows * tile <= 2048 and bb <= 16 else 8
+
+
 def vocab_top_logits_triton(
     hidden: torch.Tensor, weight: torch.Tensor, count: int, *, tile_v: int | None = None,
     block_h: int | None = None, rows_per_block: int | None = None, max_splits: int | None = None,
@@ -248,7 +257,7 @@ def vocab_top_logits_triton(
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         SHORT_KEYS=short_keys, IS_BF16=hidden.dtype == torch.bfloat16, THRESHOLD=threshold,
         COUNT_SKIPS=skips is not None,
-        num_warps=4 if block_rows * tile <= 2048 else 8,
+        num_warps=_vocab_top_warps(block_rows, tile, bb),
     )
     logits = torch.empty(n_rows, count, dtype=torch.float32, device=dev)
     ids = torch.empty(n_rows, count, dtype=torch.int64, device=dev)

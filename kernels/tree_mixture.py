@@ -199,6 +199,21 @@ def _merge_select_kernel(
     tl.store(out_valid_ptr + out, valid, mask=keep)
 
 
+# The selection tiles (entries per depth MB, top BB, tile) that ptxas compiles with local memory, each run at half
+# the tile: at a gate's K' = 4 (M = 256) and B = 64, one tile of 4096 gets 80 registers and 8 bytes of spills on
+# sm_90a (a register-allocation edge: K = 8's 512 entries, or B = 32, compile without); 2048 gets 76 and none, for
+# 2-3 % more issued instructions (two tiles' merges).
+_SPILLING_SELECT_TILES = {(256, 64, 4096)}
+
+
+def _select_tile(entries: int, mb: int, bb: int) -> int:
+    """TILE_G of `_merge_select_kernel`: the global selection's tile over the tree's D * M entries, a power of two
+    from bb to _TILE, halved at `_SPILLING_SELECT_TILES`. The tile only cuts the entries into chunks for the
+    merges of distinct keys: every tile gives the same top-B."""
+    tile = max(bb, min(pow2(entries), _TILE))
+    return tile // 2 if (mb, bb, tile) in _SPILLING_SELECT_TILES else tile
+
+
 def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: int) -> DraftTree:
     """`mfd_sglang.tree.build_mixture_tree` on Triton; logprobs [K, D, V] or [bs, K, D, V] in
     float32, float16 or bfloat16 (scores come out float32), or float32 `DraftCandidates` (the
@@ -264,8 +279,7 @@ def build_mixture_tree_triton(logprobs: torch.Tensor | DraftCandidates, budget: 
         scratch, canon, merged_score, merged_mode, canon_parent, node,
         tokens, parents, depths, scores, modes, valid,
         num_modes, depth, width, vocab, budget,
-        MB=mb, BB=bb, num_warps=8,
-        TILE_G=max(bb, min(pow2(depth * num_entries), _TILE)),
+        MB=mb, BB=bb, num_warps=8, TILE_G=_select_tile(depth * num_entries, mb, bb),
     )
     return DraftTree(
         tokens=tokens, parents=parents, depths=depths, scores=scores, modes=modes, valid=valid

@@ -14,13 +14,19 @@ import triton.language as tl
 from mfd_sglang.kernels.params import pow2
 from mfd_sglang.kernels.common import require_cuda
 
+_SUM_BLOCK = 128  # requests' lengths summed a step
 
-@triton.jit
-def _tree_cells_kernel(ancestor_ptr, seq_lens_ptr, mask_ptr, N, total_len, BLOCK_BS: tl.constexpr, NP: tl.constexpr,
-                       ROWS: tl.constexpr):
+
+# total_len changes every round (a bound of the batch's lengths): not specialised on, so one compile per window
+# serves every round (`mfd_sglang.serving.warmup`); the batch size is a loop bound, not a constexpr.
+@triton.jit(do_not_specialize=["total_len"])
+def _tree_cells_kernel(ancestor_ptr, seq_lens_ptr, mask_ptr, N, total_len, SUM_BLOCK: tl.constexpr,
+                       NP: tl.constexpr, ROWS: tl.constexpr):
     b = tl.program_id(0)
-    before = tl.arange(0, BLOCK_BS)
-    lens_before = tl.sum(tl.load(seq_lens_ptr + before, mask=before < b, other=0).to(tl.int64), axis=0)
+    lens_before = b.to(tl.int64) * 0
+    for first in range(0, b, SUM_BLOCK):  # the lengths of the requests before b
+        before = first + tl.arange(0, SUM_BLOCK)
+        lens_before += tl.sum(tl.load(seq_lens_ptr + before, mask=before < b, other=0).to(tl.int64), axis=0)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     start = N * lens_before + b.to(tl.int64) * N * N
     col = tl.arange(0, NP)[None, :]
@@ -39,6 +45,5 @@ def full_custom_mask_triton(ancestor_mask: torch.Tensor, seq_lens: torch.Tensor,
     mask = torch.ones(total_len, dtype=torch.bool, device=ancestor_mask.device)
     if bs:
         _tree_cells_kernel[(bs,)](ancestor_mask.contiguous(), seq_lens.contiguous(), mask, num_nodes, total_len,
-                                  BLOCK_BS=pow2(bs), NP=pow2(num_nodes),
-                                  ROWS=16)
+                                  SUM_BLOCK=_SUM_BLOCK, NP=pow2(num_nodes), ROWS=16)
     return mask

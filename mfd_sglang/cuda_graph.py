@@ -118,9 +118,18 @@ class BatchGraphs:
         raise ValueError(f"batch of {bs} exceeds the largest captured size {self.max_bs}")
 
     def capture_all(self, keys: Sequence = (None,)) -> None:
-        for key in keys:
-            for size in self.buckets:
-                self._entry(size, key)
+        self.capture_pairs([(size, key) for key in keys for size in self.buckets])
+
+    def capture_pairs(self, pairs: Sequence[tuple[int, object]]) -> None:
+        """Capture fn at each (bucket, key) of pairs (buckets of `buckets` only)."""
+        for size, key in pairs:
+            if size not in self.buckets:
+                raise ValueError(f"batch size {size} is not a bucket of {self.buckets}")
+            self._entry(size, key)
+
+    def has(self, bs: int, key=None) -> bool:
+        """Whether a batch of bs requests has a capture for key (its bucket's)."""
+        return bs <= self.max_bs and (self.bucket(bs), key) in self._captured
 
     def _entry(self, size: int, key):
         entry = self._captured.get((size, key))

@@ -18,22 +18,52 @@ two (one outlier channel or token does not coarsen the others), and both scales 
 epilogue (`torch._scaled_mm`'s row-wise scaling), so they cost nothing there.
 
 Product: y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k] (+ bias), accumulated in float32:
-  CUDA, both widths multiples of 16 (what `torch._scaled_mm` takes): `torch._scaled_mm` on the FP8 tensor
-      cores, row-wise scales, bf16 out; other output dtypes get a float32 product with unit scales, scaled after;
-  elsewhere (CPU; odd widths on CUDA): the reference, the e4m3 values as float32 (exact), their matmul, then
-      the scales (`reference_mm`).
+  CUDA at compute capability 8.9 or more, both widths multiples of 16 (what `torch._scaled_mm` takes):
+      `torch._scaled_mm` on the FP8 tensor cores, row-wise scales, bf16 out; other output dtypes get a float32
+      product with unit scales, scaled after;
+  elsewhere (CPU; on CUDA, odd widths or a GPU below 8.9): the reference, the e4m3 values as float32 (exact),
+      their matmul, then the scales (`reference_mm`).
 Activations on the "triton" backend (`mfd_sglang.backend`; the drafter's) are quantized by one Triton kernel
 (`mfd_sglang.kernels.draft_fp8_quant`), bit-identical to `quantize_rows` (held to it by tests/test_fp8.py under the Triton interpreter and by the GPU check's
 `fp8_draft` rows on the device); so both paths quantize identically and only the matmul's accumulation differs.
+Where it runs (`fp8_drafting_supported`): a CUDA GPU of compute capability 8.9 or more (Ada, Hopper and newer)
+and every other device (the reference). Below 8.9 (an A100 is 8.0) the GPU has no FP8 tensor cores and no e4m3
+conversion instructions, which `torch._scaled_mm` and the Triton quantizer need: the launch does not draft in FP8
+there (`options.draft_quantization`), and an FP8Linear run there anyway takes the torch quantizer and the
+reference.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from mfd_sglang.backend import check_backend
 from mfd_sglang.kernels.params import FP8, FP8_MAX, SCALE_FLOOR
+
+
+# The first compute capability with FP8 tensor cores and e4m3 conversions: Ada (8.9); Hopper is 9.0.
+FP8_COMPUTE_CAPABILITY = (8, 9)
+
+
+@functools.cache  # a GPU's capability never changes, and every eager FP8Linear call asks
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of the CUDA GPU `device` (with its index); None where this process sees
+    no CUDA GPU (arguments resolved on a machine without one, which cannot serve them anyway)."""
+    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+
+
+def fp8_drafting_supported(device: torch.device | str) -> bool:
+    """Whether FP8 drafting runs on `device` (a CUDA one with its index, e.g. "cuda:0"): on a CUDA GPU, when its
+    compute capability is at least FP8_COMPUTE_CAPABILITY (or this process sees no GPU: nothing to judge); on
+    any other device, yes (the reference path, e4m3 values multiplied as float32)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    capability = cuda_capability(device)
+    return capability is None or capability >= FP8_COMPUTE_CAPABILITY
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +75,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_activations(rows: torch.Tensor, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` of [M, K] on `backend` (`mfd_sglang.backend`): "triton" is one fused kernel (five torch
-    passes cost about what FP8's GEMM saves), "torch" the torch code."""
-    if check_backend(backend) == "triton":
+    passes cost about what FP8's GEMM saves), "torch" the torch code. The kernel's e4m3 conversions need
+    `fp8_drafting_supported`: on a GPU without them "triton" runs the torch code."""
+    if check_backend(backend) == "triton" and fp8_drafting_supported(rows.device):
         from mfd_sglang.kernels.draft_fp8_quant import quantize_rows_triton  # the CPU path must not need triton
 
         return quantize_rows_triton(rows if rows.stride(-1) == 1 else rows.contiguous())
@@ -62,7 +93,7 @@ def reference_mm(q_x: torch.Tensor, x_scale: torch.Tensor, q_w: torch.Tensor, w_
 
 def scaled_mm(q_x: torch.Tensor, x_scale: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """`reference_mm` on the FP8 tensor cores (CUDA, K and N multiples of 16)."""
+    """`reference_mm` on the FP8 tensor cores (`FP8Linear.takes_scaled_mm`: K and N multiples of 16)."""
     if out_dtype == torch.bfloat16:  # row-wise scaling takes bf16 output only
         return torch._scaled_mm(q_x, q_w.T, scale_a=x_scale, scale_b=w_scale[None], out_dtype=out_dtype)
     unit = torch.ones((), device=q_x.device)
@@ -89,15 +120,21 @@ class FP8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
         return cls(linear.weight, linear.bias)
 
+    def takes_scaled_mm(self, device: torch.device) -> bool:
+        """Whether an input on `device` takes `torch._scaled_mm`: a CUDA GPU with FP8 tensor cores
+        (`fp8_drafting_supported`; torch refuses it below) and both widths multiples of 16 (what it takes)."""
+        return (device.type == "cuda" and self.in_features % 16 == 0 and self.out_features % 16 == 0
+                and fp8_drafting_supported(device))
+
     @property
     def on_tensor_cores(self) -> bool:
-        """Whether a CUDA input takes `torch._scaled_mm` (both widths multiples of 16)."""
-        return self.in_features % 16 == 0 and self.out_features % 16 == 0
+        """Whether the layer's products run on the FP8 tensor cores: `takes_scaled_mm` on its weight's device."""
+        return self.takes_scaled_mm(self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         q_x, x_scale = quantize_activations(rows, self.backend)
-        mm = scaled_mm if rows.is_cuda and self.on_tensor_cores else reference_mm
+        mm = scaled_mm if self.on_tensor_cores else reference_mm
         out = mm(q_x, x_scale, self.weight, self.weight_scale, x.dtype)
         if self.bias is not None:
             out = out + self.bias

@@ -134,9 +134,11 @@ class TritonLaunch:
         return {p.name: self.args[p.name] for p in self.kernel.params if p.is_constexpr}
 
     def key(self) -> tuple:
-        """What a compile depends on: kernel, constexprs, scalar types and options."""
-        scalars = tuple((p.name, _triton_type(self.args[p.name])) for p in self.kernel.params
-                        if not p.is_constexpr and not torch.is_tensor(self.args[p.name]))
+        """What a compile depends on: kernel, constexprs, scalar types with Triton's specialization of them
+        (`scalar_specialization`: an int equal to 1 a constexpr, one divisible by 16 marked so, unless the
+        kernel does not specialize it) and options."""
+        scalars = tuple((p.name, *scalar_specialization(p, value)) for p in self.kernel.params
+                        if not p.is_constexpr and not torch.is_tensor(value := self.args[p.name]))
         return (self.name, tuple(sorted(self.constexprs().items())), scalars, tuple(sorted(self.options.items())))
 
 
@@ -345,15 +347,21 @@ _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: 
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 
 
-def _triton_type(value) -> str:
-    from triton.runtime.jit import mangle_type
+def scalar_specialization(param, value) -> tuple[str, object]:
+    """(type, specialization) of a scalar argument of kernel parameter `param` as Triton's launcher makes them:
+    ("constexpr", 1) for an int equal to 1, "D" for one divisible by 16, "" otherwise, None for floats, bools
+    and parameters the kernel does not specialize (`@triton.jit(do_not_specialize=...)`)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
 
-    return mangle_type(value, True)
+    return tuple(native_specialize_impl(BaseBackend, value, param.is_const, not param.do_not_specialize,
+                                        not param.do_not_specialize_on_alignment))
 
 
 def compile_signature(launch: TritonLaunch) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) of a launch as Triton's launcher specializes it: pointers and ints
-    divisible by 16 marked so (CUDA allocations are 256-byte aligned), ints equal to 1 constexpr."""
+    """(signature, constexprs, attrs) of a launch as Triton's launcher specializes it: pointers marked divisible
+    by 16 (CUDA allocations are 256-byte aligned), scalars as `scalar_specialization` (ints equal to 1
+    constexpr, divisible by 16 marked so, where the kernel specializes them)."""
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(launch.kernel.params):
         value = launch.args[p.name]
@@ -361,13 +369,14 @@ def compile_signature(launch: TritonLaunch) -> tuple[dict, dict, dict]:
             signature[p.name], constexprs[p.name] = "constexpr", value
         elif torch.is_tensor(value):
             signature[p.name] = "*" + _TRITON_DTYPES[value.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if not p.do_not_specialize_on_alignment:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            kind = _triton_type(value)
+            kind, spec = scalar_specialization(p, value)
             signature[p.name] = kind
             if kind == "constexpr":
                 constexprs[p.name] = value
-            elif isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
+            elif spec == "D":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
 
@@ -396,9 +405,11 @@ def _nvidia_tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def compile_kernel(launch: TritonLaunch, arch: int) -> CompiledLaunch:
+def compile_kernel(launch: TritonLaunch, arch: int, sass: bool = True) -> CompiledLaunch:
     """Compile a recorded launch for sm_<arch> (90: sm_90a) with Triton's bundled ptxas; resources from
-    `cuobjdump -res-usage`, SASS from `cuobjdump -sass`. Triton caches compiles (~/.triton/cache)."""
+    `cuobjdump -res-usage`, SASS from `cuobjdump -sass` (sass False: not disassembled, no instructions or
+    loops; the disassembly takes ~0.4-1 s a kernel, a few ms the resources). Triton caches compiles
+    (~/.triton/cache)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -413,7 +424,7 @@ def compile_kernel(launch: TritonLaunch, arch: int) -> CompiledLaunch:
         usage = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
                                check=True).stdout
         sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+                              check=True).stdout if sass else ""
     resources = dict(re.findall(r"(REG|SHARED|LOCAL|STACK):(\d+)", usage))
     addresses, loops = [], []
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):

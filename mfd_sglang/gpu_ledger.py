@@ -4,7 +4,8 @@ accept, commit) as the serving worker runs them, at Qwen3-4B / Qwen3-8B drafter 
 launch floor fitted to the one H200 log (`mfd_sglang/data/`: `round_cost`'s measured round, traced the same way); the round
 at the default budget on CUDA (the schedule of `serving.budget.schedule`) beside a plain decode step for bs 1,
 4, 8, 16, 32, 64 (`default_budget_rows`); and the sm_90a / sm_80 compiles of every Triton kernel at its serving
-launch. What is counted and how: `gpu_cost`.
+launch (`serving_compile_keys`: every distinct compile of the launches a server makes, over shapes, drafting paths,
+budgets and batch sizes). What is counted and how: `gpu_cost`.
 Runs from an installed wheel (its shapes and builders are `mfd_sglang.round_cost`'s, the log is package data):
 
     python -m mfd_sglang gpu-ledger --out benchmarks/results/gpu-ledger-DATE
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -48,17 +49,20 @@ class Scenario:
     budget: int
     context_len: int = CONTEXT_LEN
     backend: str = "triton"  # the round's (`mfd_sglang.backend`): a CUDA server's --mfd-kernels auto
+    # The mode gate's K' (`Arm.modes`): a drafter with a gate drafts each request's K' best modes, after the
+    # gate's root-only pass (`MFDDrafter.gate_modes`); None: no gate, every mode (or MFD_D's one).
+    gate: int | None = None
 
     @property
     def modes(self) -> int:
-        return 1 if CONFIGS[self.config] else NUM_MODES
+        return 1 if CONFIGS[self.config] else self.gate or NUM_MODES
 
 
-def meta_drafter(cfg, num_modes: int):
-    """round_cost's random drafter for target config cfg, built on the meta device (no storage); the fake
-    mode cannot convert a module's dtype itself (`fake_cuda` moves it in)."""
+def meta_drafter(cfg, num_modes: int, gated: bool = False):
+    """round_cost's random drafter for target config cfg (gated: with a mode gate), built on the meta device (no
+    storage); the fake mode cannot convert a module's dtype itself (`fake_cuda` moves it in)."""
     return rc.random_drafter(cfg, rc.spread_layer_ids(cfg.layers, cfg.draft_layers), num_modes, seed=num_modes,
-                             device="meta", dtype=DTYPE)
+                             device="meta", dtype=DTYPE, gated=gated)
 
 
 def fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
@@ -76,7 +80,8 @@ def fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
 def trace_worker_round(s: Scenario) -> list[Kernel]:
     """The kernels of one decode round's own stages (`STAGES`) as `MFDWorkerV2.forward_decode` runs them on
     CUDA at batch size bs, every request `context_len` tokens in (greedy, no penalties, TP 1):
-      draft         `DraftStage.candidates` over the context pool read in place (Triton mode attention);
+      draft         `DraftStage.candidates` over the context pool read in place (Triton mode attention; with
+                    `gate`, a gated drafter's root-only pass first, then its K' modes per request);
       tree          `DraftStage.tree_of` up to its layout: the Triton mixture tree, draft -> target ids;
       layout        `tree_to_verify_layout` (SGLang's traversal + the ancestor mask);
       verify_input  `layout_verify_input`: SGLang's flat custom mask of the windows;
@@ -97,7 +102,7 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
 
     cfg = target_config(s.shape)
     nodes = s.budget + 1
-    drafter = meta_drafter(cfg, NUM_MODES)
+    drafter = meta_drafter(cfg, NUM_MODES, gated=s.gate is not None)
     with KernelTrace(s.context_len) as trace:
         fake_cuda(drafter)
         embed = torch.empty(cfg.vocab, cfg.hidden, device="cuda", dtype=DTYPE)
@@ -116,7 +121,8 @@ def trace_worker_round(s: Scenario) -> list[Kernel]:
         candidates = None
         with trace.stage("draft"):
             if s.budget:  # budget 0 (plain decoding) drafts nothing: the root alone
-                candidates = stage.paged_candidates(roots, seq_lens, requests, Arm(CONFIGS[s.config], s.budget))
+                arm = Arm(CONFIGS[s.config], s.budget, s.gate)
+                candidates = stage.paged_candidates(roots, seq_lens, requests, arm)
         layout_step = trace.labelled("layout", draft_stage.tree_to_verify_layout)
         with trace.stage("tree"), patched(draft_stage, "tree_to_verify_layout", layout_step):
             tree, layout = (stage.tree_of(candidates, roots, seq_lens, s.budget) if s.budget else
@@ -263,28 +269,156 @@ def default_budget_rows(shape: str = "qwen3-4b", batch_sizes=DEFAULT_BATCH_SIZES
     return rows
 
 
-def serving_launches(shape: str = "qwen3-4b", bs: int = 1, budget: int = 64) -> dict[str, TritonLaunch]:
-    """One launch of every Triton kernel at the serving shapes (kernel name -> launch): those of the worker's
-    MFD round (mode attention, beam, merge-select) and, at the same shapes, those of the wrappers off the
-    default path: the fused lm_head + top-B (`vocab_candidates_triton` over the draft's hidden states
-    [bs, K, D, H]), the tree from full log-probabilities [bs, K, D, V] (`_vocab_topk_kernel`) and FP8
-    drafting's activation quantization (the down_proj input [bs * K * block, intermediate])."""
+def wrapper_launches(shape: str = "qwen3-4b", bs: int = 1, budget: int = 64) -> list[TritonLaunch]:
+    """The launches of the Triton wrappers off the default path, at the round's shapes (K = 8): the fused
+    lm_head + top-B (`vocab_candidates_triton` over the draft's hidden states [bs, K, D, H]), the tree from full
+    log-probabilities [bs, K, D, V] (`_vocab_topk_kernel`) and FP8 drafting's activation quantization (the input
+    [bs * K * block, in] of each of its linears: `drafter.fp8_linear_shapes`)."""
+    from mfd_sglang.drafter import fp8_linear_shapes
     from mfd_sglang.kernels.draft_fp8_quant import quantize_rows_triton
     from mfd_sglang.kernels.tree_mixture import build_mixture_tree_triton
     from mfd_sglang.kernels.draft_vocab import vocab_candidates_triton
 
-    launches = {l.name: l for l in triton_launches(trace_worker_round(Scenario(shape, "mfd", bs, budget)))}
     cfg = target_config(shape)
     depth = cfg.block_size - 1
+    # The down_proj's input first (`serving_launches` keeps it): the widest.
+    inputs = sorted({features for _, features in fp8_linear_shapes(drafter_and_target_configs(shape)[0])},
+                    reverse=True)
     with KernelTrace(CONTEXT_LEN) as trace, trace.stage("wrappers"):
         vocab_candidates_triton(torch.empty(bs, NUM_MODES, depth, cfg.hidden, device="cuda", dtype=DTYPE),
                                 torch.empty(cfg.vocab, cfg.hidden, device="cuda", dtype=DTYPE), budget)
         build_mixture_tree_triton(torch.empty(bs, NUM_MODES, depth, cfg.vocab, device="cuda"), budget)
-        quantize_rows_triton(torch.empty(bs * NUM_MODES * cfg.block_size, cfg.intermediate, device="cuda",
-                                         dtype=DTYPE))
-    for launch in triton_launches(trace.kernels):
+        for features in inputs:
+            quantize_rows_triton(torch.empty(bs * NUM_MODES * cfg.block_size, features, device="cuda", dtype=DTYPE))
+    return list(triton_launches(trace.kernels))
+
+
+def serving_launches(shape: str = "qwen3-4b", bs: int = 1, budget: int = 64) -> dict[str, TritonLaunch]:
+    """One launch of every Triton kernel at the serving shapes (kernel name -> launch): those of the worker's
+    MFD round (mode attention, beam, merge-select, ...) and, at the same shapes, those of the wrappers off the
+    default path (`wrapper_launches`)."""
+    launches = {l.name: l for l in triton_launches(trace_worker_round(Scenario(shape, "mfd", bs, budget)))}
+    for launch in wrapper_launches(shape, bs, budget):
         launches.setdefault(launch.name, launch)
     return launches
+
+
+# The drafting paths of a server's rounds (`serving.budget.rule.Path`), as (config, the gate's K'): the K-mode
+# draft; a gated drafter's K/2 and 1 best modes per request (`mode_paths`: the automatic budget with
+# --mfd-mode-subsets, or --mfd-num-modes), each after the gate's root-only pass; MFD_D's single mode.
+SERVED_PATHS = (("mfd", None), ("mfd", NUM_MODES // 2), ("mfd", 1), ("mfd_d", None))
+# Batch sizes a round is traced at for its compile keys: the first of each power-of-two range up to 256 requests
+# (the custom mask's lanes are a power of two of bs). The vocabulary's launch plan (rows a program, splits,
+# threshold) changes at other batch sizes too: `serving_compile_keys` sweeps it over every one.
+KEY_BATCH_SIZES = (1, 2, 3, 5, 9, 17, 33, 65, 129, 256)
+VOCAB_KERNELS = ("_vocab_top_kernel", "_vocab_finish_kernel")
+
+
+def served_budgets() -> tuple[int, ...]:
+    """The tree budgets a server plays: the default schedule's and the automatic budget's at the CUDA launch
+    budget (`candidate_budgets(64)` but 0: 4 .. 64) and the largest a launch allows (`MAX_BUDGET`)."""
+    from mfd_sglang.serving.budget.rule import candidate_budgets
+    from mfd_sglang.serving.launch.options import (MAX_BUDGET, budget_from_num_draft_tokens,
+                                                   default_num_draft_tokens)
+
+    return candidate_budgets(budget_from_num_draft_tokens(default_num_draft_tokens("cuda")))[1:] + (MAX_BUDGET,)
+
+
+class LaunchSite(NamedTuple):
+    """Where a launch was traced: shape, path (config, the gate's K'), budget, batch size and source: "round"
+    (`trace_worker_round`), "vocab sweep" (the round's vocabulary launch at every batch size) or "wrappers"
+    (`wrapper_launches`)."""
+
+    shape: str
+    config: str
+    gate: int | None
+    budget: int
+    bs: int
+    source: str
+
+    def __str__(self) -> str:
+        path = {None: "K-mode" if self.config == "mfd" else "single mode"}.get(self.gate, f"gate K'={self.gate}")
+        return f"{self.shape} {path} B {self.budget} bs {self.bs} ({self.source})"
+
+
+@dataclass
+class ServedCompile:
+    """One distinct compile of the served launches (`serving_compile_keys`): its first launch traced and
+    every site that launches it."""
+
+    launch: TritonLaunch
+    sites: list[LaunchSite]
+
+
+def vocab_sweep_launches(shape: str, modes: int, budget: int, batch_sizes) -> dict[int, list[TritonLaunch]]:
+    """The vocabulary launches (`vocab_candidates_triton`, the round's `MFDDrafter.block_candidates` on
+    the "triton" backend: the draft's hidden states [bs, modes, D, H] against the head [V, H]) of budget
+    `budget` at each batch size (bs -> launches)."""
+    from mfd_sglang.kernels.draft_vocab import vocab_candidates_triton
+
+    cfg = target_config(shape)
+    launches = {}
+    with KernelTrace(CONTEXT_LEN) as trace:
+        head = torch.empty(cfg.vocab, cfg.hidden, device="cuda", dtype=DTYPE)
+        for bs in batch_sizes:
+            with trace.stage(str(bs)):
+                vocab_candidates_triton(torch.empty(bs, modes, cfg.block_size - 1, cfg.hidden, device="cuda",
+                                                    dtype=DTYPE), head, budget)
+    for k in trace.kernels:
+        if k.launch is not None:
+            launches.setdefault(int(k.stage), []).append(k.launch)
+    return launches
+
+
+def serving_compile_keys(shapes=tuple(SHAPES), paths=SERVED_PATHS, budgets: tuple[int, ...] | None = None,
+                         batch_sizes=KEY_BATCH_SIZES, vocab_sweep: bool = True, wrappers: bool = True,
+                         progress: Callable[[str], None] = lambda line: None) -> dict[tuple, ServedCompile]:
+    """Every distinct compile (`TritonLaunch.key`: kernel, constexprs, scalar types and specialization,
+    options; not the grid) of the launches a server makes, key -> `ServedCompile`: the worker's round
+    (`trace_worker_round`) at each shape, path (`SERVED_PATHS`), budget (`served_budgets`) and batch size of
+    batch_sizes; with vocab_sweep, the round's vocabulary launch at every batch size up to the largest of
+    them (its launch plan follows bs * K' * D, not a power of two of bs; checked to be the round's launch at
+    the traced sizes); with wrappers, the wrappers off the default path (`wrapper_launches`) at each shape and
+    budget."""
+    budgets = budgets or served_budgets()
+    distinct: dict[tuple, ServedCompile] = {}
+    sweeps: dict[tuple, dict[int, list[TritonLaunch]]] = {}  # (shape, modes, budget): paths of as many modes share it
+
+    def add(launch: TritonLaunch, site: LaunchSite) -> None:
+        key = launch.key()
+        if key not in distinct:
+            distinct[key] = ServedCompile(launch, [])
+        distinct[key].sites.append(site)
+
+    for shape in shapes:
+        for config, gate in paths:
+            scenario = Scenario(shape, config, 1, 0, gate=gate)
+            for budget in budgets:
+                progress(f"tracing {shape} {config} K' {gate} B {budget}")
+                round_vocab = {}
+                for bs in batch_sizes:
+                    traced = trace_worker_round(Scenario(shape, config, bs, budget, gate=gate))
+                    for launch in triton_launches(traced):
+                        add(launch, LaunchSite(shape, config, gate, budget, bs, "round"))
+                        if launch.name in VOCAB_KERNELS:
+                            round_vocab.setdefault(bs, []).append(launch.key())
+                if not vocab_sweep:
+                    continue
+                if (shape, scenario.modes, budget) not in sweeps:
+                    sweeps[shape, scenario.modes, budget] = vocab_sweep_launches(shape, scenario.modes, budget,
+                                                                                 range(1, max(batch_sizes) + 1))
+                swept = sweeps[shape, scenario.modes, budget]
+                for bs, traced in round_vocab.items():
+                    if [launch.key() for launch in swept[bs]] != traced:
+                        raise AssertionError(f"the vocabulary sweep's launches at {shape} {config} K' {gate} B "
+                                             f"{budget} bs {bs} are not the round's")
+                for bs, launches in swept.items():
+                    for launch in launches:
+                        add(launch, LaunchSite(shape, config, gate, budget, bs, "vocab sweep"))
+        for budget in budgets if wrappers else ():
+            for launch in wrapper_launches(shape, 1, budget):
+                add(launch, LaunchSite(shape, "mfd", None, budget, 1, "wrappers"))
+    return distinct
 
 
 def project_kernels() -> set[str]:

@@ -194,9 +194,13 @@ def drafter_raw_config(c: TargetConfig, target_layer_ids: list[int], num_modes: 
 
 
 def random_drafter(c: TargetConfig, target_layer_ids: list[int], num_modes: int, seed: int, device,
-                   dtype: torch.dtype) -> MFDDrafter:
-    """A drafter with random weights for a target of config c (made on the device)."""
-    cfg = parse_drafter_config(drafter_raw_config(c, target_layer_ids, num_modes))
+                   dtype: torch.dtype, *, gated: bool = False) -> MFDDrafter:
+    """A drafter with random weights for a target of config c (made on the device); gated: with a mode gate
+    (mfd_config.mode_prior "gate", `mode_prior.weight` / `.bias`: `MFDDrafter.gate_modes` can choose modes)."""
+    raw = drafter_raw_config(c, target_layer_ids, num_modes)
+    if gated:
+        raw["mfd_config"]["mode_prior"] = "gate"
+    cfg = parse_drafter_config(raw)
     torch.manual_seed(seed)
     with torch.device(device):
         drafter = MFDDrafter(cfg, context_features=len(target_layer_ids) * c.hidden)

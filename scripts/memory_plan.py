@@ -7,11 +7,12 @@
     python scripts/memory_plan.py --num-draft-tokens 65  # a fixed B = 64 at every batch size
     python scripts/memory_plan.py --max-running-requests 16 --num-draft-tokens 33 --fp8-draft
 
-Prints one row per drafter: its weights, the draft + tree working set and the verify working set of the largest
-round (T > 0: the sampling law's work over the full vocabulary per verified node; without --num-draft-tokens the
-default budget schedule's rounds up to --max-running-requests, `serving/budget/schedule.py`, else that budget at
---max-running-requests), their sum (outside SGLang's KV plan; the verify graphs of the schedule's other windows
-are not counted: they depend on the attention backend), and the drafter context per KV token (inside SGLang's
+Prints one row per drafter: its weights, the draft + tree working set of the largest draft and the verify working
+set of the largest verify (T > 0: the sampling law's work over the full vocabulary per verified node) among the
+rounds the server plays (`serving/budget/playable.py`: without --num-draft-tokens the default budget schedule's
+rounds up to --max-running-requests, `serving/budget/schedule.py`, else that budget; each at its batch-size
+bucket), their sum with the draft graphs' buffers (outside SGLang's KV plan; the verify graphs of the schedule's
+other windows are not counted: they depend on the attention backend), and the drafter context per KV token (inside SGLang's
 KV plan, beside the target's own KV). The shapes are the released drafters' (model cards; `SHAPES` below); the weight count
 is that of the DFlash tensors plus `mode_embed` and the `mode_gate` linear (K x H + K) of the MFD cards,
 which matches the cards' parameter counts (tests/test_memory_plan.py).
@@ -25,9 +26,10 @@ import math
 from dataclasses import replace
 
 from mfd_sglang.checkpoint import expected_shapes, parse_drafter_config
+from mfd_sglang.serving.budget.playable import fixed_playable, schedule_playable
 from mfd_sglang.serving.budget.rule import Path
 from mfd_sglang.serving.budget.schedule import BudgetSchedule, RoundModel
-from mfd_sglang.serving.launch.memory import memory_plan
+from mfd_sglang.serving.launch.memory import draft_graph_buffer_bytes, memory_plan
 from mfd_sglang.serving.launch.options import DEFAULT_SWITCH_THRESHOLD, budget_from_num_draft_tokens
 
 # Released drafters by target (z-lab's DFlash drafter and the MFD card fine-tuned from it share the shape).
@@ -81,17 +83,23 @@ def plan_rows(max_running_requests: int, num_draft_tokens: int | None, num_modes
         budget = budget_from_num_draft_tokens(num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
         plan = memory_plan(cfg, drafter_parameters(raw, NUM_MODES), dtype_bytes=2, budget=budget,
                            vocab=cfg.vocab_size, num_modes=num_modes, draft_quantization="fp8" if fp8_draft else None)
+        schedule = None
         if num_draft_tokens is None:
             schedule = BudgetSchedule(RoundModel.of(cfg, TARGETS[target], num_modes=num_modes), budget,
                                       max_running_requests, k_path=Path(),
                                       switch_threshold=DEFAULT_SWITCH_THRESHOLD if algorithm == "MFD_D" else None)
-            plan = replace(plan, rounds=schedule.rounds())
+        # What each batch-size bucket plays, as the server's worker computes it (`budget.playable`); the draft
+        # graphs' buffers as on CUDA.
+        playable = (schedule_playable(schedule) if schedule is not None else fixed_playable(
+            max_running_requests, budget, switch_threshold=DEFAULT_SWITCH_THRESHOLD if algorithm == "MFD_D" else None))
+        plan = replace(plan, rounds=playable.rounds(plan.num_modes), draft_graph_bytes=sum(
+            draft_graph_buffer_bytes(bs, arm.budget) for bs, arm in playable.pairs()))
         bs = max_running_requests
-        n, largest = plan.largest_round(bs)
+        (n_draft, draft), (n_verify, verify) = plan.largest_draft(bs), plan.largest_verify(bs)
         rows.append({"target": target, "parameters_M": drafter_parameters(raw, NUM_MODES) / 1e6,
-                     "largest_round": f"{n} x B {largest.budget}",
-                     "weights_GiB": plan.weight_bytes / gib, "draft_GiB": largest.draft_bytes(n) / gib,
-                     "verify_GiB": largest.verify_bytes(n) / gib, "outside_kv_plan_GiB": plan.extra_bytes(bs) / gib,
+                     "largest_round": f"{n_draft} x B {draft.budget} / {n_verify} x B {verify.budget}",
+                     "weights_GiB": plan.weight_bytes / gib, "draft_GiB": draft.draft_bytes(n_draft) / gib,
+                     "verify_GiB": verify.verify_bytes(n_verify) / gib, "outside_kv_plan_GiB": plan.extra_bytes(bs) / gib,
                      "context_KiB_per_token": plan.context_bytes_per_token / 2**10})
     return rows
 
@@ -112,7 +120,7 @@ def main(argv=None) -> None:
               else f"B = {budget_from_num_draft_tokens(args.num_draft_tokens)}")
     print(f"{args.algorithm}, bf16, {budget}, {args.max_running_requests} running requests, "
           f"K = {args.num_modes or NUM_MODES}{', FP8 drafter linears' if args.fp8_draft else ''}")
-    print("| target | drafter params | largest round | weights | draft + tree | verify | outside SGLang's KV plan | "
+    print("| target | drafter params | largest rounds (draft / verify) | weights | draft + tree | verify | outside SGLang's KV plan | "
           "drafter context per token |")
     print("|---|---|---|---|---|---|---|---|")
     for r in plan_rows(args.max_running_requests, args.num_draft_tokens, args.num_modes, args.fp8_draft,

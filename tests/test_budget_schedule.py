@@ -5,7 +5,7 @@
   the verify is weight-bound (bs 1); each path costed as drafted; its model's products are the ledger's roofline
   of the same matmul;
 - when it applies: CUDA, neither --speculative-num-draft-tokens nor --mfd-auto-budget;
-- the worker honours it (`MFDWorkerV2.choose_arm`, `fixed_arms`, `scheduled_batch_size`, the idle attention-DP
+- the worker honours it (`MFDWorkerV2.choose_arm`, `budget.playable`, `scheduled_batch_size`, the idle attention-DP
   rank's window) on a worker-like object;
 - the ledger prints the round at the default budget beside a plain step for bs 1, 4, 8, 16, 32, 64, and by the
   ledger's own model (launch floor fitted to the H200 log) no row needs more than ROUND_STEPS accepted tokens to
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import collections
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 from mfd_sglang.gpu_ledger import (DEFAULT_BATCH_SIZES, NUM_MODES, SERVERS, default_budget_markdown,
                                    default_budget_rows, default_schedule, drafter_and_target_configs,
                                    plain_step_floor)
+from mfd_sglang.serving.budget.playable import fixed_playable, schedule_playable
 from mfd_sglang.serving.budget.rule import PLAIN, SINGLE_MODE, Arm, Path, candidate_budgets
 from mfd_sglang.serving.budget.schedule import ROUND_STEPS, BudgetSchedule, RoundModel, budget_schedule, prior_tokens
 from mfd_sglang.serving.launch.options import MFDOptions
@@ -157,8 +159,8 @@ def test_a_gpu_launch_without_a_budget_logs_the_schedule_and_plans_its_windows(t
 
 
 def worker_like(schedule: BudgetSchedule | None, *, threshold=None, attention_dp=False, budget=64):
-    """What `choose_arm`, `fixed_arms`, `scheduled_batch_size`, `activate_window` and `forward_idle_verify`
-    read of an `MFDWorkerV2` (built without SGLang)."""
+    """What `choose_arm`, `scheduled_batch_size`, `activate_window` and `forward_idle_verify` read of an
+    `MFDWorkerV2` (built without SGLang)."""
     from mfd_sglang.serving.worker import MFDWorkerV2
 
     worker = MFDWorkerV2.__new__(MFDWorkerV2)
@@ -173,21 +175,24 @@ def test_worker_plays_the_schedules_budget_at_each_batch_size():
     drafter, target = drafter_and_target_configs("qwen3-4b")
     schedule = budget_schedule(launch_args(), MFDOptions(), drafter, target, budget=64, algorithm="MFD_D")
     worker = worker_like(schedule, threshold=3)
-    captured = worker.fixed_arms()
-    played = set()
+    playable = schedule_playable(schedule)  # what the draft graphs capture, per batch-size bucket
+    played = collections.defaultdict(set)
     for n in range(1, MAX_REQUESTS + 1):
         arm = worker.choose_arm(n)
         assert arm.budget == schedule.budget(n)
         assert arm == PLAIN or arm.single_mode == (n >= 3)
-        assert arm in captured, (n, arm)  # every arm played has its draft graphs
-        played.add(arm)
-    assert played == set(captured)  # and no graph is captured for an arm never played
-    assert len({arm.budget for arm in played}) > 2  # the budget does follow the batch size
+        assert arm in playable.arms(n), (n, arm)  # every arm played has its bucket's draft graph
+        played[playable.bucket(n)].add(arm)
+    # and no graph is captured for an arm its bucket never plays
+    assert {size: set(arms) for size, arms in zip(playable.buckets, playable.arms_at)} == played
+    assert len({arm.budget for arms in played.values() for arm in arms}) > 2  # the budget follows the batch size
     # A fixed budget (the flag given) is played at every batch size, as before.
     fixed = worker_like(None, threshold=3, budget=16)
     assert [fixed.choose_arm(n) for n in (1, 2, 3, 40)] == [Arm(False, 16), Arm(False, 16), Arm(True, 16),
                                                              Arm(True, 16)]
-    assert fixed.fixed_arms() == [Arm(False, 16), Arm(True, 16)]
+    fixed_arms = fixed_playable(MAX_REQUESTS, 16, switch_threshold=3)
+    assert [fixed_arms.arms(n) for n in (1, 2, 3, 4, 40)] == [(Arm(False, 16),), (Arm(False, 16),),
+                                                             (Arm(True, 16),), (Arm(True, 16),), (Arm(True, 16),)]
 
 
 def test_worker_reads_every_dp_ranks_requests_under_attention_dp(monkeypatch):
@@ -204,8 +209,10 @@ def test_worker_reads_every_dp_ranks_requests_under_attention_dp(monkeypatch):
     assert schedule.budget(32) != schedule.budget(2)  # the two readings differ: the test can tell them apart
     arm = worker.choose_arm(2, worker.scheduled_batch_size(batch))
     assert arm == (PLAIN if schedule.budget(32) == 0 else Path().at(schedule.budget(32)))  # 2 requests: K modes
-    assert arm in worker.fixed_arms()
-    assert SINGLE_MODE.at(schedule.budget(32)) in worker.fixed_arms() or schedule.budget(32) == 0
+    every_path = schedule_playable(schedule, every_path=True)  # the graphs an attention-DP rank captures
+    assert arm in every_path.arms(2)
+    # 30 requests of its own: single-mode, at the budget of 30 or more on every rank
+    assert schedule.arm(32, SINGLE_MODE) in every_path.arms(30) and schedule.arm(48, SINGLE_MODE) in every_path.arms(30)
     widths = []
     monkeypatch.setattr(worker_module, "idle_verify", lambda target_worker, batch, width: widths.append(width))
     worker.forward_idle_verify(SimpleNamespace(reqs=[], global_num_tokens=counts), None)

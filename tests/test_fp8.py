@@ -326,3 +326,65 @@ def test_draft_quantization_follows_sglangs_resolution():
     assert draft_quantization(args("awq", False)) is None
     with pytest.raises(ValueError, match="--speculative-draft-model-quantization awq"):
         draft_quantization(args("awq", True))
+
+
+def test_fp8_drafting_needs_compute_capability_8_9(monkeypatch, caplog):
+    """On a CUDA GPU below compute capability 8.9 (faked at an A100's 8.0), fp8 set for the drafter is refused by
+    a message naming the flag, the GPU's capability, the 8.9 it needs and the fix; fp8 inherited from the target's
+    --quantization fp8 leaves the drafter unquantized with one warning saying why, however often the launch and
+    the ranks ask. At 8.9 (Ada) and 9.0 (Hopper) fp8 stays fp8; on the CPU too, without reading a capability."""
+    import logging
+    from types import SimpleNamespace
+
+    import mfd_sglang.fp8 as fp8
+    from mfd_sglang.serving.launch import options
+
+    def capability(value):
+        monkeypatch.setattr(fp8, "cuda_capability", lambda device: value)
+
+    args = lambda explicit, device="cuda": SimpleNamespace(
+        speculative_draft_model_quantization="fp8", _speculative_draft_quantization_explicitly_set=explicit,
+        device=device, base_gpu_id=0)
+    monkeypatch.setattr(options, "_WARNED_NO_FP8", set())  # warned once per process: not by an earlier test
+    capability((8, 0))
+    with pytest.raises(ValueError) as refused:
+        options.draft_quantization(args(True))
+    message = str(refused.value)
+    assert message.startswith("--speculative-draft-model-quantization fp8: ")
+    assert "compute capability 8.0" in message and "8.9" in message and "Ada, Hopper" in message
+    assert "Drop the flag, or pass unquant" in message
+    with caplog.at_level(logging.WARNING, logger=options.logger.name):
+        assert options.draft_quantization(args(False)) is None
+        assert options.draft_quantization(args(False)) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "--quantization fp8" in warnings[0] and "serving dtype" in warnings[0]
+    assert "compute capability 8.0" in warnings[0] and "8.9" in warnings[0]
+    for value in ((8, 9), (9, 0)):
+        capability(value)
+        assert options.draft_quantization(args(True)) == options.draft_quantization(args(False)) == "fp8"
+    monkeypatch.setattr(fp8, "cuda_capability", lambda device: pytest.fail(f"the CPU read {device}'s capability"))
+    assert options.draft_quantization(args(True, "cpu")) == options.draft_quantization(args(False, "cpu")) == "fp8"
+
+
+def test_fp8_linear_keeps_off_fp8_hardware_below_compute_capability_8_9(monkeypatch):
+    """FP8Linear takes `torch._scaled_mm` (which torch refuses below compute capability 8.9) on a CUDA GPU of 8.9
+    or more only: not at a faked 8.0, nor on the CPU; and where FP8 drafting is not supported its activations
+    skip the Triton quantizer (e4m3 conversions) for the torch one."""
+    import mfd_sglang.fp8 as fp8
+    from mfd_sglang.fp8 import quantize_activations
+
+    layer = FP8Linear.from_linear(nn.Linear(64, 32))
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(fp8, "cuda_capability", lambda device: (9, 0))
+    assert layer.takes_scaled_mm(gpu) and not layer.takes_scaled_mm(torch.device("cpu"))
+    assert not FP8Linear.from_linear(nn.Linear(64, 24)).takes_scaled_mm(gpu)  # a width _scaled_mm does not take
+    monkeypatch.setattr(fp8, "cuda_capability", lambda device: (8, 0))
+    assert not layer.takes_scaled_mm(gpu)
+    monkeypatch.setattr(fp8, "fp8_drafting_supported", lambda device: False)
+    monkeypatch.setattr("mfd_sglang.kernels.draft_fp8_quant.quantize_rows_triton",
+                        lambda rows: pytest.fail("the Triton quantizer ran"))
+    rows = ROWS["random"]
+    values, scales = quantize_activations(rows, "triton")
+    want_values, want_scales = quantize_rows(rows)
+    assert torch.equal(codes(values), codes(want_values)) and torch.equal(scales, want_scales)

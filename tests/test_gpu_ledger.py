@@ -3,7 +3,10 @@
 - every Triton kernel of the project compiles for sm_90a and sm_80 at its serving shapes (Qwen3-4B, bs 1,
   K = 8, B = 64), and at the largest a launch allows (B = `MAX_BUDGET`, at bs 1 and `LARGEST_BS`), with no
   local memory (beyond today's recorded bytes, `SPILL_BARS`) and its shared memory within the device's
-  per-block limit;
+  per-block limit; so does every distinct compile of every drafting path's round at both shapes at each budget
+  the CUDA default plays (B = 4 .. 64, bs 1); with MFD_EVERY_COMPILE=1, every distinct compile of the launches
+  a server makes (`serving_compile_keys`: Qwen3-4B and 8B, every drafting path, budget and batch size up to
+  256) against the same bars; the collection covers every drafting path's mode attention at both shapes;
 - each stage of a round at the Qwen3-4B shapes launches at most its bar (`LAUNCH_BARS`): a regression bar
   that fails when, e.g., a per-chunk loop comes back;
 - the tree's two kernels issue at most their bars of instructions per warp scheduler (`ISSUED_BARS`: a warp's
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -23,7 +27,9 @@ import torch
 
 from mfd_sglang.gpu_cost import (SERIAL_LOOPS, SHARED_LIMIT, KernelTrace, by_stage, compile_kernel,
                                  fit_launch_floor, predicted_seconds, warp_instructions)
-from mfd_sglang.gpu_ledger import STAGES, Scenario, project_kernels, serving_launches, trace_worker_round
+from mfd_sglang.gpu_ledger import (NUM_MODES, SERVED_PATHS, SHAPES, STAGES, Scenario, project_kernels,
+                                   served_budgets, serving_compile_keys, serving_launches, trace_worker_round)
+from mfd_sglang.serving.budget.rule import mode_paths
 from mfd_sglang.serving.launch.options import MAX_BUDGET
 
 # Kernel launches per stage of one round at the Qwen3-4B shapes (bs 8, B = 64), at most: today's counts
@@ -49,6 +55,11 @@ GRID_ISSUED_BARS = {"_vocab_top_kernel": 158_000_000, "_vocab_finish_kernel": 9_
 # (512; MFD's default --max-running-requests is 48). Past the vocabulary's launch plan (its rows a program and
 # splits, which bs 1 and 512 bound from both sides) only the custom mask's lanes over the batch grow with bs.
 LARGEST_BS = 512
+# Every served compile (`serving_compile_keys`: 177 distinct compiles per arch) is compiled when this is set: ~2
+# minutes of tracing, then ~450 s for sm_90a and ~500 s for sm_80 on one core with a cold Triton cache (~75 s and
+# ~60 s warm; measured with each compile's SASS disassembled, which `over_resources` now skips: ~0.4-1 s a
+# compile), more than CI affords (docs/development.md, Budgets that compile).
+EVERY_COMPILE = os.environ.get("MFD_EVERY_COMPILE") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +81,17 @@ def test_every_kernel_has_a_serving_launch(launches):
     assert set(launches) == project_kernels()
 
 
-def over_resources(launches, arch: int) -> list[str]:
+def over_resources(launches, arch: int, sites=None) -> list[str]:
     """Each launch's compile for sm_<arch> with more local memory than its SPILL_BARS or more shared memory
-    than the device's per-block limit, in words."""
+    than the device's per-block limit, in words (sites: where each launch is made, named with it)."""
     failures = []
-    for launch in launches:
-        compiled = compile_kernel(launch, arch)
+    for i, launch in enumerate(launches):
+        compiled = compile_kernel(launch, arch, sass=False)
+        name = launch.name if sites is None else f"{launch.name} {launch.constexprs()} at {sites[i]}"
         if compiled.local_bytes > SPILL_BARS.get((launch.name, arch), 0):
-            failures.append(f"{launch.name}: {compiled.local_bytes} bytes of spills ({compiled.registers} registers)")
+            failures.append(f"{name}: {compiled.local_bytes} bytes of spills ({compiled.registers} registers)")
         if compiled.shared_bytes > SHARED_LIMIT[arch]:
-            failures.append(f"{launch.name}: {compiled.shared_bytes} bytes of shared memory > {SHARED_LIMIT[arch]}")
+            failures.append(f"{name}: {compiled.shared_bytes} bytes of shared memory > {SHARED_LIMIT[arch]}")
     return failures
 
 
@@ -97,6 +109,80 @@ def test_kernels_compile_at_the_largest_budget_and_batch(largest_launches, arch)
     compile)."""
     failures = over_resources(largest_launches, arch)
     assert not failures, f"sm_{arch} at B = {MAX_BUDGET}: " + "; ".join(failures)
+
+
+@pytest.fixture(scope="module")
+def path_compiles():
+    """The distinct compiles of every drafting path's round at both shapes, B = 64, bs 1 (a slice of
+    `serving_compile_keys`: a few seconds of tracing)."""
+    return serving_compile_keys(budgets=(64,), batch_sizes=(1,), vocab_sweep=False)
+
+
+def test_served_compiles_cover_every_drafting_path_at_both_shapes(path_compiles):
+    """The collection reaches mode attention's every launch at Qwen3-4B and 8B: the K-mode block, a gated
+    drafter's root-only pass (`MFDDrafter.gate_modes`: the K copies of [root]) and its K' = 4 and 1 best modes,
+    MFD_D's single mode; and every kernel of the project."""
+    # The full collection's paths are the automatic budget's of a gated drafter with mode subsets, its budgets
+    # the default schedule's and the automatic budget's, and the largest.
+    assert {(config == "mfd_d", gate) for config, gate in SERVED_PATHS} == set(
+        mode_paths(NUM_MODES, gated=True, mode_subsets=True, single_mode_path=True))
+    assert served_budgets() == (4, 8, 16, 32, 64, MAX_BUDGET)
+    block = 16  # Qwen3 DFlash drafters' block
+    attention = {}  # (ROWS, BLOCK_T) -> {(shape, config, gate)}
+    for served in path_compiles.values():
+        if served.launch.name == "_mode_attention_kernel":
+            c = served.launch.constexprs()
+            attention.setdefault((c["ROWS"], c["BLOCK_T"]), set()).update(
+                (site.shape, site.config, site.gate) for site in served.sites)
+    k, half = NUM_MODES, NUM_MODES // 2
+    assert attention == {
+        (k * block, block): {(shape, "mfd", None) for shape in SHAPES},
+        (k, 1): {(shape, "mfd", gate) for shape in SHAPES for gate in (half, 1)},  # the gate's root-only pass
+        (half * block, block): {(shape, "mfd", half) for shape in SHAPES},
+        (block, block): {(shape, *path) for shape in SHAPES for path in (("mfd", 1), ("mfd_d", None))},
+    }
+    assert {served.launch.name for served in path_compiles.values()} == project_kernels()
+
+
+@pytest.fixture(scope="module")
+def default_budget_compiles():
+    """The distinct compiles of every drafting path's round (`SERVED_PATHS`) at both shapes, at every budget
+    the CUDA default plays (`served_budgets` but MAX_BUDGET: 4 .. 64), bs 1 (~10 s of tracing)."""
+    budgets = tuple(b for b in served_budgets() if b != MAX_BUDGET)
+    return budgets, serving_compile_keys(budgets=budgets, batch_sizes=(1,), vocab_sweep=False, wrappers=False)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_drafting_path_compiles_within_the_bars_at_the_default_budgets(default_budget_compiles, arch):
+    """Every distinct compile of the rounds a server plays at its default budgets, on every drafting path (the
+    K-mode draft, a gated drafter's K' = 4 and K' = 1 after its root-only pass, MFD_D's single mode), bs 1,
+    against the bars: the slice of `test_every_served_compile_within_the_bars` CI affords (the gate's K' = 4 merge
+    at B = 64 and one mode's vocabulary top-B at B = 32 and 64 spilled there, unseen by the tests above). 66 distinct
+    compiles (the 8B shape adds none): ~80 s of one core for sm_90a and ~95 s for sm_80 with a cold Triton cache,
+    ~70 s each after the serving shapes' test has compiled its share; the merge kernel's 15 about half of it."""
+    budgets, served = default_budget_compiles
+    traced = {(site.shape, site.config, site.gate, site.budget) for c in served.values() for site in c.sites}
+    assert traced == {(shape, config, gate, budget) for shape in SHAPES for config, gate in SERVED_PATHS
+                      for budget in budgets}
+    compiles = list(served.values())
+    failures = over_resources([c.launch for c in compiles], arch, [c.sites[0] for c in compiles])
+    assert not failures, f"sm_{arch}, {len(compiles)} compiles: " + "; ".join(failures)
+
+
+@pytest.fixture(scope="module")
+def served_compiles():
+    return serving_compile_keys()
+
+
+@pytest.mark.skipif(not EVERY_COMPILE, reason="every served compile (177 per arch) takes ~450 s for sm_90a and ~500 s "
+                    "for sm_80 on one core (cold cache), more than CI affords: set MFD_EVERY_COMPILE=1 "
+                    "(docs/development.md, Budgets that compile)")
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_served_compile_within_the_bars(served_compiles, arch):
+    """Every distinct compile of the launches a server makes (`serving_compile_keys`) against the bars."""
+    compiles = list(served_compiles.values())
+    failures = over_resources([c.launch for c in compiles], arch, [c.sites[0] for c in compiles])
+    assert not failures, f"sm_{arch}, {len(compiles)} compiles: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize("arch", [90, 80])

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from mfd_sglang.checkpoint import load_drafter, parse_drafter_config
+from mfd_sglang.serving.budget.rule import Arm
 from mfd_sglang.serving.launch.memory import VerifyGraphPlan, memory_plan, reserve_in_mem_fraction, verify_graph_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,29 +71,91 @@ def test_plan_grows_with_batch_and_budget():
     assert _plan(budget=128).verify_bytes(8) > plan.verify_bytes(8)
 
 
-def test_a_budget_schedule_plans_its_largest_round():
-    """Under the default budget schedule (`MemoryPlan.rounds`: what a round of n requests plays) the working
-    sets are those of the largest round of at most bs requests, not bs requests at the launch budget: at 48
-    requests MFD's schedule on Qwen3-4B shapes plays 32 nodes at most at 7 requests and plain decoding from
-    12 (tests/test_budget_schedule.py), so it plans that round, far below 48 x 65 verified tokens."""
+def test_a_budget_schedule_plans_its_largest_rounds():
+    """Under the default budget schedule (`MemoryPlan.rounds`: what each batch-size bucket plays, at the bucket's
+    size, `budget.playable`) the working sets are those of the largest rounds the server plays, not bs requests
+    at the launch budget: the largest draft (the draft graphs' pool keeps it) plus the largest verify. At 48
+    requests MFD's schedule on Qwen3-4B shapes plays 32 nodes at most up to 7 requests, 16 at 8-11 and plain
+    decoding from 12 (tests/test_budget_schedule.py): its largest draft and verify are bucket 16's at budget 16
+    (9-16 requests, padded to 16: 16 x 8 blocks drafted, 272 tokens verified), far below 48 x 65 verified
+    tokens."""
     import dataclasses
 
+    from mfd_sglang.serving.budget.playable import schedule_playable
     from mfd_sglang.serving.budget.schedule import BudgetSchedule, RoundModel
 
     plan = _plan()
     target = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
               "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936}
     schedule = BudgetSchedule(RoundModel.of(parse_drafter_config(QWEN3_4B_DRAFTER), target), 64, 48)
-    scheduled = dataclasses.replace(plan, rounds=schedule.rounds())
-    per_round = [dataclasses.replace(plan, budget=schedule.budget(n), num_modes=plan.num_modes)
-                 for n in range(1, 49)]
-    largest = max(p.draft_bytes(n) + p.verify_bytes(n) for n, p in enumerate(per_round, start=1))
-    assert scheduled.extra_bytes(48) == plan.weight_bytes + largest
-    assert scheduled.largest_round(48)[0] == 7 and scheduled.largest_round(48)[1].budget == 32
+    playable = schedule_playable(schedule)
+    scheduled = dataclasses.replace(plan, rounds=playable.rounds(plan.num_modes))
+    per_round = [(bs, dataclasses.replace(plan, budget=arm.budget)) for bs, arm in playable.pairs()]
+    draft = max(p.draft_bytes(bs) for bs, p in per_round)
+    verify = max(p.verify_bytes(bs) for bs, p in per_round)
+    assert scheduled.extra_bytes(48) == plan.weight_bytes + draft + verify
+    assert [(n, p.budget) for n, p in (scheduled.largest_draft(48), scheduled.largest_verify(48))] == [(16, 16)] * 2
     assert scheduled.extra_bytes(48) < plan.extra_bytes(48) / 5
-    assert scheduled.extra_bytes(2) == plan.extra_bytes(2)  # budget 64 up to 3 requests
-    assert "the schedule's largest round of at most 48 requests (7 at budget 32)" in scheduled.describe(48)
+    assert scheduled.extra_bytes(2) == plan.extra_bytes(2)  # budget 64 up to 3 requests: bucket 2 plays it
+    assert "draft 16 at budget 16, verify 16 at budget 16" in scheduled.describe(48)
     assert dataclasses.replace(plan, budget=0).draft_bytes(48) == 0  # plain decoding drafts nothing
+
+
+@pytest.mark.parametrize("max_requests", [48, 256])
+@pytest.mark.parametrize("algorithm", ["MFD", "MFD_D"])
+def test_the_plan_covers_every_draft_graph_the_server_captures(monkeypatch, max_requests, algorithm):
+    """Qwen3-8B's released drafter shape at the CUDA defaults: the draft graphs `DraftStage.capture_graphs` captures
+    (recorded from the worker's own code path) hold at most what the launch plan counts: the largest captured
+    graph's working set (one pool, reused graph to graph) plus every graph's static inputs and outputs, and the
+    verify working set of the largest captured round."""
+    import dataclasses
+
+    import torch
+
+    from mfd_sglang.gpu_ledger import drafter_and_target_configs
+    from mfd_sglang.serving import draft_stage
+    from mfd_sglang.serving.budget.playable import server_playable
+    from mfd_sglang.serving.budget.schedule import budget_schedule
+    from mfd_sglang.serving.launch.memory import draft_graph_buffer_bytes
+    from mfd_sglang.serving.launch.options import MFDOptions
+
+    cfg, target = drafter_and_target_configs("qwen3-8b")
+    args = SimpleNamespace(device="cuda", tp_size=1, max_running_requests=max_requests, dp_size=1,
+                           enable_dp_attention=False, _raw_input={"speculative_num_draft_tokens": None})
+    schedule = budget_schedule(args, MFDOptions(), cfg, target, budget=64, algorithm=algorithm)
+    playable = server_playable(args, MFDOptions(), cfg, budget=64, algorithm=algorithm, schedule=schedule)
+
+    captured = []
+
+    class Recorder:  # BatchGraphs as the draft stage drives it: what would be captured, nothing run
+        def __init__(self, fn, example_inputs, buckets, *, use_graph):
+            self.buckets = list(buckets)
+
+        def capture_pairs(self, pairs):
+            captured.extend(pairs)
+
+    monkeypatch.setattr(draft_stage, "BatchGraphs", Recorder)
+    stage = draft_stage.DraftStage.__new__(draft_stage.DraftStage)
+    stage.paged, stage.backend, stage.embed_weight = True, "triton", torch.empty(0)
+    stage.capture_graphs(playable)
+    assert captured and all(arm.budget > 0 for _, arm in captured)
+
+    plan = dataclasses.replace(memory_plan(cfg, 1_000_000_000, dtype_bytes=2, budget=64, vocab=target["vocab_size"]),
+                               rounds=playable.rounds(cfg.num_modes),
+                               draft_graph_bytes=sum(draft_graph_buffer_bytes(bs, arm.budget) for bs, arm in
+                                                     playable.pairs()))
+
+    def round_plan(arm):
+        return dataclasses.replace(plan, budget=arm.budget, rounds=(), draft_graph_bytes=0,
+                                   num_modes=1 if arm.single_mode else arm.modes or cfg.num_modes)
+    pool = max(round_plan(arm).draft_bytes(bs) for bs, arm in captured)
+    buffers = sum(draft_graph_buffer_bytes(bs, arm.budget) for bs, arm in captured)
+    verify = max(round_plan(arm).verify_bytes(bs) for bs, arm in captured)
+    planned = plan.extra_bytes(max_requests) - plan.weight_bytes
+    assert pool + buffers + verify <= planned, (pool, buffers, verify, planned)
+    # At the launch budget in every bucket (what the server captured before the plan counted it) it would not fit.
+    every = [(bs, Arm(False, 64)) for bs in playable.buckets]
+    assert max(round_plan(arm).draft_bytes(bs) + round_plan(arm).verify_bytes(bs) for bs, arm in every) > planned
 
 
 def test_the_released_drafter_shapes_have_their_model_cards_parameter_counts():

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import subprocess
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,11 +25,13 @@ from mfd_sglang.hf import SpeculativeGenerator
 from mfd_sglang.patches.request_checks import unsupported_request_features
 from mfd_sglang.server_process import launch_command, stream_then_abort
 from references import TOP_K_ALL, reference_sample, served_summary, verify_summary
-from servers import (assert_healthy_without_leaks, chat_ids, chat_template_ids, completion_ids, free_port,
-                     generate_ids, hub_cache_with, log_tail, served_without_leaks, start_server)
+from servers import (admitted_together, assert_healthy_without_leaks, chat_ids, chat_template_ids, completion_ids,
+                     free_port, generate_ids, held_rid, hub_cache_with, log_tail, plugin_env, served_without_leaks,
+                     start_server)
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 16
+HELD_AT = 8  # output tokens at which the aborted request's decoding is held until the abort lands
 HUB_TARGET, HUB_DRAFTER = "mfd-test/tiny-target", "mfd-test/tiny-drafter"  # the tiny pair in a local HF cache
 
 # (algorithm, tree budget B, drafter: "mfd" (K = 4) or "dflash" (K = 1), MFD_D switch threshold,
@@ -63,13 +65,18 @@ def mfd_d_server(tiny_pair, tmp_path_factory):
     """MFD_D, B = 8, default switch threshold (3), room for 6 running requests, INFO log (switches).
     Hidden states and custom logit processors are enabled so that requests asking for them get past
     SGLang's own checks and reach MFD's. Target and drafter are given as Hugging Face hub ids, found offline
-    in the HF cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1) as a user's downloaded models would be."""
+    in the HF cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1) as a user's downloaded models would be. The start-up
+    warm-up runs (`--mfd-warmup on`: on CUDA it is the default), so the exactness tests below run after it. Its
+    tests send
+    their concurrent requests under `admitted_together`: they share their first batch on any machine."""
     cache = tmp_path_factory.mktemp("hf_hub")
     hub_cache_with(cache, HUB_TARGET, tiny_pair / "target")
     snapshot = hub_cache_with(cache, HUB_DRAFTER, tiny_pair / "drafter")
     srv = start_server(tmp_path_factory, tiny_pair, HUB_DRAFTER, "MFD_D", 8, max_running=6, log_level="info",
-                       extra_args=("--enable-return-hidden-states", "--enable-custom-logit-processor"),
-                       extra_env={"HF_HUB_CACHE": str(cache)}, target=HUB_TARGET)
+                       extra_args=("--enable-return-hidden-states", "--enable-custom-logit-processor",
+                                   "--mfd-warmup", "on"),
+                       extra_env={"HF_HUB_CACHE": str(cache), **plugin_env("hold_admission", "hold_decode")},
+                       target=HUB_TARGET)
     srv.drafter_snapshot = snapshot
     yield from served_without_leaks(srv)
 
@@ -81,6 +88,18 @@ def test_hub_id_drafter_is_served_from_its_snapshot(mfd_d_server):
     log = mfd_d_server.log()
     assert f"MFD: drafter {HUB_DRAFTER} is {mfd_d_server.drafter_snapshot}" in log, log_tail(mfd_d_server.log_path)
     assert f"MFD_D worker: drafter {mfd_d_server.drafter_snapshot} (" in log, log_tail(mfd_d_server.log_path)
+
+
+def test_the_warm_up_runs_every_playable_round_before_the_server_is_ready(mfd_d_server):
+    """`--mfd-warmup on`: before SGLang reports the server ready, the worker ran a placeholder round at every batch
+    size 1-6 for each arm it can play (MFD_D at B = 8: the K-mode path below 3 requests, the single-mode path from 3:
+    6 rounds), with the verify forward at the draft buckets; the requests of the tests after it are exact."""
+    log = mfd_d_server.log()
+    warmed = re.search(r"MFD: start-up warm-up in [\d.]+ s: (\d+) placeholder rounds at batch sizes 1-(\d+) "
+                       r"\(the verify forward at \[([\d, ]+)\]\)", log)
+    assert warmed, log_tail(mfd_d_server.log_path)
+    assert warmed.groups() == ("6", "6", "1, 2, 4, 6"), warmed.group(0)
+    assert warmed.start() < log.index("The server is fired up and ready to roll!"), log_tail(mfd_d_server.log_path)
 
 
 # --- exactness ------------------------------------------------------------------------------------
@@ -176,7 +195,7 @@ def test_mfd_d_concurrent_requests_cross_the_switch_and_stay_exact(mfd_d_server,
     def run(i):
         return generate_ids(mfd_d_server, prompts[i], lengths[i])[0]
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    with admitted_together(mfd_d_server, 6), concurrent.futures.ThreadPoolExecutor(6) as pool:
         outputs = list(pool.map(run, range(6)))
     for ids, n, got in zip(prompts, lengths, outputs):
         assert got == target_greedy(model, ids, n)
@@ -202,26 +221,25 @@ def test_a_seeded_request_samples_alike_on_both_mfd_d_paths(mfd_d_server, hf_tar
         extra = {"sampling_seed": 3} if i == 0 else {}
         return generate_ids(mfd_d_server, ids, n if i == 0 else 3 * n, **law, **extra)[0]
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    with admitted_together(mfd_d_server, 6), concurrent.futures.ThreadPoolExecutor(6) as pool:
         outputs = list(pool.map(run, range(6)))
     assert outputs[0] == expected
     assert mfd_d_server.log().count("switching to the single-mode path") > switches, log_tail(mfd_d_server.log_path)
 
 
 def test_abort_mid_decode_ends_the_request_and_frees_its_memory(mfd_d_server, hf_target, tiny_prompts):
-    """A streaming request of 600 tokens is aborted by its id after its third chunk (the prefill's token
-    and two verify rounds): its stream ends with finish reason "abort" well short of 600 tokens, the
-    scheduler goes idle with its strict KV-leak check passing (target KV and drafter context slots
-    freed), and the next request is still exact."""
+    """A streaming request of 600 tokens is aborted by its id once 8 tokens are out (the server decodes it no
+    further until the abort lands: `hold_decode`, so the abort lands in flight on any machine): its stream ends
+    with finish reason "abort" well short of 600 tokens, the scheduler goes idle with its strict KV-leak check
+    passing (target KV and drafter context slots freed), and the next request is still exact."""
     model, tok = hf_target
     ids = tok(tiny_prompts[3], add_special_tokens=False)["input_ids"]
-    rid = f"abort-{uuid.uuid4().hex}"
-    payload = {"rid": rid, "input_ids": ids, "stream": True,
+    payload = {"rid": held_rid(HELD_AT), "input_ids": ids, "stream": True,
                "sampling_params": {"temperature": 0, "max_new_tokens": 600, "ignore_eos": True}}
-    chunks = stream_then_abort(mfd_d_server, payload, abort_after=3, timeout=300)  # meta_info of every chunk
-    assert len(chunks) >= 3 and chunks[2]["finish_reason"] is None, chunks  # decoding when aborted
+    chunks = stream_then_abort(mfd_d_server, payload, abort_after=HELD_AT, timeout=300, tokens=True)
+    assert all(chunk["finish_reason"] is None for chunk in chunks[:-1]), chunks  # decoding when aborted
     assert chunks[-1]["finish_reason"]["type"] == "abort", chunks[-1]
-    assert chunks[-1]["completion_tokens"] < 600
+    assert HELD_AT <= chunks[-1]["completion_tokens"] < 600, chunks[-1]
     assert_healthy_without_leaks(mfd_d_server)
     got, _ = generate_ids(mfd_d_server, ids, MAX_NEW)
     assert got == target_greedy(model, ids, MAX_NEW)
@@ -302,8 +320,9 @@ def bad_launch(case: str, tiny_pair: Path, hf_cache: Path) -> tuple[list[str], s
 
 @pytest.fixture(scope="module")
 def bad_launches(tiny_pair, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
-    """Every bad launch, each with its own empty HF cache, all at once (each spends its seconds importing
-    SGLang on one core): case -> (the finished process, the message expected)."""
+    """Every bad launch, each with its own empty HF cache, two at a time (each spends its seconds importing
+    SGLang on one core; all at once, each one's 300 s would be shared by nine on a busy machine): case ->
+    (the finished process, the message expected)."""
     def run(case):
         cache = tmp_path_factory.mktemp("hf_cache")
         cmd, expected = bad_launch(case, tiny_pair, cache)
@@ -312,7 +331,7 @@ def bad_launches(tiny_pair, tmp_path_factory) -> dict[str, tuple[subprocess.Comp
             env["TRITON_INTERPRET"] = "0"
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO), expected
 
-    with concurrent.futures.ThreadPoolExecutor(len(BAD_LAUNCHES)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return dict(zip(BAD_LAUNCHES, pool.map(run, BAD_LAUNCHES)))
 
 

@@ -29,8 +29,8 @@ import requests
 
 from conftest import reference_drafter, target_greedy
 from references import SPREAD_LAW, assert_served_as_reference_rounds, request_law, spread_samples
-from servers import (Served, generate_ids, log_tail, plugin_env, resolve, resolve_cases, round_traces,
-                     served_without_leaks, start_server)
+from servers import (Served, admitted_together, generate_ids, log_tail, plugin_env, resolve, resolve_cases,
+                     round_traces, served_without_leaks, start_server)
 
 MAX_NEW = 16
 DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per replica
@@ -85,9 +85,10 @@ def dp_server(request, tiny_pair, tmp_path_factory):
     the other serves), of MFD or MFD_D (switching to the single-mode path at 2 running requests, so a
     rank runs both paths below)."""
     algorithm, layout = request.param
+    warmup = ("--mfd-warmup", "on") if layout == (1, 2) else ()  # the default on CUDA
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", algorithm, 8, log_level="info",
-                       threshold=2 if algorithm == "MFD_D" else None, extra_args=LAYOUTS[layout],
-                       extra_env={**DP_ENV, **plugin_env("round_trace")})
+                       threshold=2 if algorithm == "MFD_D" else None, extra_args=(*LAYOUTS[layout], *warmup),
+                       extra_env={**DP_ENV, **plugin_env("round_trace", "hold_admission")})
     srv.algorithm, srv.layout = algorithm, layout
     yield from served_without_leaks(srv)
 
@@ -104,11 +105,24 @@ def test_each_dp_rank_runs_its_own_worker(dp_server):
         assert re.search(rf"DP{rank}( TP{rank})?\] {dp_server.algorithm} worker: drafter", log), log_tail(dp_server.log_path)
 
 
+def test_every_attention_dp_rank_warms_up_before_the_server_is_ready(dp_server):
+    """Attention DP with `--mfd-warmup on`: each DP rank runs the start-up warm-up's rounds (their drafts and
+    eager stages; the verify forward, which gathers every rank's tokens, is left to the graphs' capture) before
+    SGLang reports ready, and the requests after it are exact (below)."""
+    if dp_server.layout != (1, 2):
+        pytest.skip("the warm-up runs on the attention-DP server")
+    log = dp_server.log()
+    ranks = re.findall(r"DP(\d) TP\d\] MFD: start-up warm-up in [\d.]+ s: (\d+) placeholder rounds", log)
+    assert sorted(rank for rank, _ in ranks) == ["0", "1"], log_tail(dp_server.log_path)
+    assert log.rindex("MFD: start-up warm-up") < log.index("The server is fired up and ready to roll!")
+
+
 def test_concurrent_greedy_requests_are_spread_over_both_replicas_and_exact(dp_server, reference_target, tiny_pair,
                                                                            hf_target, tiny_prompts):
     model, tok = hf_target
     prompts = prompt_ids(tok, tiny_prompts) * 2
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    with admitted_together(dp_server, len(prompts) // 2, schedulers=2), \
+            concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # round-robin: half on each rank
         outs = list(pool.map(lambda ids: generate_ids(dp_server, ids, MAX_NEW), prompts))
     for ids, (got, _) in zip(prompts, outs):
         assert got == target_greedy(model, ids, MAX_NEW), log_tail(dp_server.log_path)
@@ -133,7 +147,8 @@ def test_seeded_sampling_on_either_replica_equals_the_single_server_law(dp_serve
     prompts = prompt_ids(tok, tiny_prompts)
     seeds = [11, 12, 13, None]
     law = request_law(SPREAD_LAW)
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    with admitted_together(dp_server, len(prompts) // 2, schedulers=2), \
+            concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         batched = list(pool.map(lambda i: generate_ids(dp_server, prompts[i], MAX_NEW, **law, **(
             {} if seeds[i] is None else {"sampling_seed": seeds[i]})), range(len(prompts))))
     first_prompt = spread_samples(model, prompts[0], MAX_NEW, [11, 14])  # two seeds on one prompt

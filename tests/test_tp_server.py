@@ -20,7 +20,8 @@ import requests
 
 from conftest import reference_drafter, target_greedy
 from references import SPREAD_LAW, assert_served_as_reference_rounds, request_law, spread_samples
-from servers import Served, generate_ids, log_tail, plugin_env, round_traces, served_without_leaks, start_server
+from servers import (Served, admitted_together, generate_ids, log_tail, plugin_env, round_traces, served_without_leaks,
+                     start_server)
 
 MAX_NEW = 24
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}  # a core per rank
@@ -31,8 +32,9 @@ def tp_server(request, tiny_pair, tmp_path_factory):
     algorithm, budget = request.param
     algorithm = None if algorithm == "plain" else algorithm
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter" if algorithm else None, algorithm, budget,
-                       threshold=2 if algorithm == "MFD_D" else None, extra_args=("--tp-size", "2"),
-                       extra_env={**TP_ENV, **(plugin_env("rank_rng", "round_trace") if algorithm else {})})
+                       threshold=2 if algorithm == "MFD_D" else None, log_level="info",
+                       extra_args=("--tp-size", "2", *(("--mfd-warmup", "on") if algorithm == "MFD_D" else ())),
+                       extra_env={**TP_ENV, **plugin_env("hold_admission", *(("rank_rng", "round_trace") if algorithm else ()))})
     srv.algorithm = algorithm
     yield from served_without_leaks(srv)
 
@@ -41,12 +43,24 @@ def prompt_ids(tok, tiny_prompts) -> list[list[int]]:
     return [tok(text, add_special_tokens=False)["input_ids"] for text in tiny_prompts[:4]]
 
 
+def test_every_rank_warms_up_before_the_server_is_ready(tp_server):
+    """MFD_D at TP 2 with `--mfd-warmup on` (the default on CUDA): both ranks run the start-up warm-up's rounds (the
+    verify forwards' collectives in step), before SGLang reports ready; the tests here run after it."""
+    if tp_server.algorithm != "MFD_D":
+        pytest.skip("the warm-up runs on the MFD_D server")
+    log = tp_server.log()
+    ranks = re.findall(r"TP(\d)\] MFD: start-up warm-up in [\d.]+ s: (\d+) placeholder rounds", log)
+    assert sorted(rank for rank, _ in ranks) == ["0", "1"] and len({rounds for _, rounds in ranks}) == 1, \
+        log_tail(tp_server.log_path)
+    assert log.rindex("MFD: start-up warm-up") < log.index("The server is fired up and ready to roll!")
+
+
 def test_tp2_serves_concurrent_requests_exactly(tp_server, reference_target, tiny_pair, hf_target, tiny_prompts):
     model, tok = hf_target
     info = requests.get(tp_server.base_url + "/server_info", timeout=60).json()
     assert info["tp_size"] == 2
     prompts = prompt_ids(tok, tiny_prompts)
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    with admitted_together(tp_server, len(prompts)), concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda ids: generate_ids(tp_server, ids, MAX_NEW), prompts))
     for ids, (got, meta) in zip(prompts, outs):
         assert got == target_greedy(model, ids, MAX_NEW), log_tail(tp_server.log_path)
@@ -79,7 +93,7 @@ def test_tp2_seeded_sampling_equals_the_single_rank_reference(tp_server, hf_targ
     prompts = prompt_ids(tok, tiny_prompts)
     seeds = [11, 12, 13, None]
     law = request_law(SPREAD_LAW)
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    with admitted_together(tp_server, len(prompts)), concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         sampled = list(pool.map(lambda i: generate_ids(tp_server, prompts[i], MAX_NEW, **law,
                                                        **({} if seeds[i] is None else {"sampling_seed": seeds[i]})),
                                 range(len(prompts))))

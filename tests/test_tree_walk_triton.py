@@ -85,9 +85,10 @@ def assert_same_walks(tree, vocab: int, seed: int, where: str, sync_check: bool 
     return int(expected.accept_lens.max())
 
 
-# (bs, K, D, V, budget): trees with padding (fewer prefixes than the budget), budget 1, deep chains.
+# (bs, K, D, V, budget): trees with padding (fewer prefixes than the budget), budget 1, deep chains; a batch past
+# the custom mask's 128 lengths summed a step.
 SHAPES = [(1, 1, 1, 3, 1), (2, 1, 3, 3, 50), (2, 2, 4, 2, 40), (3, 2, 5, 4, 6), (2, 8, 3, 10, 12),
-          (1, 2, 15, 5, 20), (3, 8, 15, 50, 64), (2, 4, 6, 30, 100)]
+          (1, 2, 15, 5, 20), (3, 8, 15, 50, 64), (2, 4, 6, 30, 100), (130, 1, 2, 3, 2)]
 
 
 def case_random_trees(device="cpu", sync_check=False):

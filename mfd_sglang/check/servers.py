@@ -266,8 +266,8 @@ def serve(launch: Launch, pair: Pair, config: ServerConfig, server: Server, grou
         proc.stop()
     else:
         keep.append(proc)
-    captured = re.search(r"tree-verify CUDA graphs captured for windows of \[([\d, ]*)\] tokens per request "
-                         r"\(the extra widths took (-?\d+) MiB", log)
+    captured = re.search(r"tree-verify CUDA graphs captured for windows of \[([\d, ]*)\] tokens per request in "
+                         r"[\d.]+ s \(the extra widths took (-?\d+) MiB", log)
     planned = re.search(r"verify graphs of the other windows (\d+) MiB", log)
     return {"ids": [ids for ids, _ in outs], "startup_s": round(ready, 1), "alone": alone,
             "accept_length": [meta.get("spec_accept_length") for _, meta in outs],

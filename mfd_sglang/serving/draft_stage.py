@@ -30,15 +30,17 @@ the attention-TP group, the ranks that run one batch, and are gathered there (`f
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from mfd_sglang.checkpoint import DrafterCheckpoint
-from mfd_sglang.cuda_graph import BatchGraphs, default_buckets
+from mfd_sglang.cuda_graph import BatchGraphs
 from mfd_sglang.drafter import MFDDrafter
 from mfd_sglang.tree import DraftCandidates, DraftTree, build_mixture_tree, empty_tree
 from mfd_sglang.tree_layout import VerifyLayout, tree_to_verify_layout
 
+from mfd_sglang.serving.budget.playable import Playable
 from mfd_sglang.serving.budget.rule import Arm
 from mfd_sglang.serving.draft_context_pool import DraftContextPool
 
@@ -98,11 +100,11 @@ class DraftStage:
         """Context K/V of tokens with target hidden states [T, F] at positions [T] into slots [T]."""
         self.context_pool.write(self.drafter, target_hidden, positions, slots)
 
-    def capture_graphs(self, max_bs: int, arms: list[Arm]) -> None:
-        """CUDA graphs of draft + tree + layout of each drafted arm at every batch-size bucket up to max_bs, on
-        the "triton" backend with the in-place context: only that path has fixed shapes and no host sync
-        (the torch references size their tensors from the data; drafters with sliding-window layers need
-        the padded copy), so the others draft eagerly."""
+    def capture_graphs(self, playable: Playable) -> None:
+        """CUDA graphs of draft + tree + layout of each drafted arm of each batch-size bucket (`playable.pairs()`,
+        what the memory plan counts), on the "triton" backend with the in-place context: only that path has
+        fixed shapes and no host sync (the torch references size their tensors from the data; drafters with
+        sliding-window layers need the padded copy), so the others draft eagerly (`draft_graphs_captured`)."""
         if not (self.paged and self.backend == "triton"):
             return
         device = self.embed_weight.device
@@ -110,10 +112,12 @@ class DraftStage:
         def example_inputs(bs: int):  # also the pad rows: token 0, empty context, request slot 0
             return [torch.zeros(bs, dtype=torch.int64, device=device) for _ in range(3)]
 
-        self.graphs = BatchGraphs(self.paged_tree, example_inputs, default_buckets(max_bs), use_graph=True)
+        start = time.perf_counter()
+        self.graphs = BatchGraphs(self.paged_tree, example_inputs, playable.buckets, use_graph=True)
         with torch.inference_mode():
-            self.graphs.capture_all(keys=[arm for arm in arms if arm.budget > 0])
-        logger.info("MFD: draft + tree + layout CUDA graphs captured for batch sizes %s", self.graphs.buckets)
+            self.graphs.capture_pairs(playable.pairs())
+        logger.info("MFD: draft + tree + layout CUDA graphs captured in %.1f s: %d graphs over batch sizes %s (%s)",
+                    time.perf_counter() - start, len(playable.pairs()), list(playable.buckets), playable.describe())
 
     def tree(self, roots: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, max_len: int,
              arm: Arm) -> tuple[DraftTree, VerifyLayout]:
@@ -122,7 +126,7 @@ class DraftStage:
         if arm.budget == 0:
             return self.with_layout(empty_tree(roots.shape[0], roots.device), roots, seq_lens)
         self.context_pool.flush()  # a graph replay reads the pool's tensors directly
-        if self.graphs is not None and seq_lens.shape[0] <= self.graphs.max_bs:
+        if self.graphs is not None and self.graphs.has(seq_lens.shape[0], arm):
             return self.graphs(roots, seq_lens, req_pool_indices, key=arm)
         if self.paged:
             return self.paged_tree(roots, seq_lens, req_pool_indices, key=arm)
@@ -164,6 +168,19 @@ class DraftStage:
     def with_layout(self, tree: DraftTree, roots: torch.Tensor, seq_lens: torch.Tensor) -> tuple[DraftTree, VerifyLayout]:
         """(tree, its SGLang verify layout under `roots` at positions seq_lens)."""
         return tree, tree_to_verify_layout(tree, roots, seq_lens, self.backend)
+
+
+def draft_graphs_captured(server_args, kernels: str, cfg) -> bool:
+    """Whether a server's draft stage captures CUDA graphs (`DraftStage.capture_graphs`): CUDA graphs on, the
+    "triton" backend (--mfd-kernels `kernels` on the server's device) and the context read in place (no
+    sliding-window layer in drafter config `cfg`). The launch's memory plan and the worker read it."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from mfd_sglang.backend import resolve_backend
+
+    graphs_on = not (server_args.disable_cuda_graph or server_args.cuda_graph_config.decode.backend == Backend.DISABLED)
+    return (graphs_on and resolve_backend(kernels, server_args.device) == "triton"
+            and not any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)))
 
 
 def full_rows(module) -> torch.Tensor:

@@ -24,6 +24,7 @@ SGLang 0.5.23's EAGLE adaptive steps keep per-step-count runtime states the same
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -91,7 +92,7 @@ class VerifyGraphsByWidth:
         self.model_runner = model_runner
         self.active = int(get_spec().speculative_num_draft_tokens)
         self.states = {self.active: (model_runner.attn_backend, model_runner.decode_cuda_graph_runner)}
-        held_before = device_held_bytes()
+        held_before, start = device_held_bytes(), time.perf_counter()
         for width in sorted(set(widths) - {self.active}):
             try:
                 self.states[width] = capture(model_runner, width)
@@ -102,8 +103,8 @@ class VerifyGraphsByWidth:
                     "--cuda-graph-max-bs, or serve a fixed budget (--speculative-num-draft-tokens N, without "
                     "--mfd-auto-budget)") from exc
         # The launch plan counted these (`memory.VerifyGraphPlan`); the GPU check holds it to this figure.
-        logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request (the "
-                    "extra widths took %.0f MiB of device memory)", sorted(self.states),
+        logger.info("MFD: tree-verify CUDA graphs captured for windows of %s tokens per request in %.1f s (the "
+                    "extra widths took %.0f MiB of device memory)", sorted(self.states), time.perf_counter() - start,
                     (device_held_bytes() - held_before) / 2**20)
 
     def activate(self, width: int) -> None:

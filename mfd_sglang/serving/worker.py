@@ -47,11 +47,12 @@ from mfd_sglang.checkpoint import load_drafter, target_text_config
 
 from mfd_sglang.serving.accept import accept_tree, pad_result, sample_first_tokens
 from mfd_sglang.serving.budget.auto import AutoBudget
-from mfd_sglang.serving.budget.rule import Arm, Path, mode_paths
-from mfd_sglang.serving.budget.schedule import budget_schedule, varying_budgets
+from mfd_sglang.serving.budget.playable import auto_paths, server_playable
+from mfd_sglang.serving.budget.rule import Arm, Path
+from mfd_sglang.serving.budget.schedule import budget_schedule
 from mfd_sglang.serving.budget.calibration import placeholder_verify_batch
 from mfd_sglang.serving.commit import commit_round
-from mfd_sglang.serving.draft_stage import DraftStage
+from mfd_sglang.serving.draft_stage import DraftStage, draft_graphs_captured
 from mfd_sglang.serving.launch.memory import drafter_memory_plan
 from mfd_sglang.serving.launch.options import (attention_dp_size, budget_from_num_draft_tokens, draft_quantization,
                                                read_options)
@@ -59,6 +60,7 @@ from mfd_sglang.serving.outputs import first_token_outputs, round_outputs
 from mfd_sglang.serving.launch.target_checks import check_target_runner, check_tree_verify_attention
 from mfd_sglang.serving.verify import VerifiedTree, idle_verify, layout_verify_input, reserved_lens, verify_tree
 from mfd_sglang.serving.verify_graph import verify_graphs_by_width
+from mfd_sglang.serving.warmup import warm_up, warmup_runs
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class MFDWorkerV2(BaseSpecWorker):
         self.topk = 1
         self.budget = budget_from_num_draft_tokens(self.speculative_num_draft_tokens)
 
-        options = read_options(server_args)
+        options = self.options = read_options(server_args)
         ckpt = load_drafter(spec.speculative_draft_model_path)
         self.draft_quantization = draft_quantization(server_args)  # "fp8": attention and MLP linears in e4m3
         # Which implementation runs every step of the round, decided once (--mfd-kernels, the device).
@@ -109,10 +111,7 @@ class MFDWorkerV2(BaseSpecWorker):
         # With a mode gate and --mfd-num-modes K' < K: each request's K' best modes (`Arm.modes`).
         self.gated_modes = (options.num_modes if self.drafting.gated and options.num_modes is not None
                             and options.num_modes < self.drafting.num_modes else None)
-        self.auto_budget = (AutoBudget(self.budget, device=self.device, paths=mode_paths(
-                                self.drafting.num_modes, gated=self.drafting.gated,
-                                mode_subsets=options.mode_subsets is not False,
-                                single_mode_path=algorithm == "MFD_D", gated_modes=self.gated_modes))
+        self.auto_budget = (AutoBudget(self.budget, device=self.device, paths=auto_paths(ckpt.config, options, algorithm))
                             if options.auto_budget else None)
         # MFD_D with a fixed budget: the single-mode path from this many running requests on.
         self.switch_threshold = options.switch_threshold if algorithm == "MFD_D" and not options.auto_budget else None
@@ -123,13 +122,15 @@ class MFDWorkerV2(BaseSpecWorker):
                                                budget=self.budget, algorithm=algorithm)
         self.attention_dp = attention_dp_size(server_args) > 1  # the schedule reads every DP rank's requests
         self.verify_windows = None  # the schedule's tree-verify graphs by window (GPU, CUDA graphs)
+        # What each batch-size bucket can play: the draft graphs, the memory plan and the warm-up read it.
+        self.playable = server_playable(server_args, options, ckpt.config, budget=self.budget, algorithm=algorithm,
+                                        schedule=self.budget_schedule)
         drafting = self.drafting
         self.memory_plan = drafter_memory_plan(
             server_args, ckpt, budget=self.budget, vocab=self.model_runner.model_config.vocab_size,
             tied_embeddings=self.model_runner.model.lm_head.weight is self.model_runner.model.get_input_embeddings().weight,
-            dtype_bytes=drafting.embed_weight.element_size(), num_modes=options.num_modes,
-            verify_budgets=varying_budgets(options.auto_budget, self.budget_schedule, self.budget),
-            schedule=self.budget_schedule)  # as at launch
+            dtype_bytes=drafting.embed_weight.element_size(), num_modes=options.num_modes, playable=self.playable,
+            draft_graphs=draft_graphs_captured(server_args, options.kernels, ckpt.config))  # as at launch
         logger.info("MFD memory: %s", self.memory_plan.describe(int(server_args.max_running_requests)))
         cfg = drafting.drafter.cfg
         logger.info("%s worker: drafter %s (%d layer(s), K = %d mode(s)%s, block %d, linears %s), tree budget %s, "
@@ -169,8 +170,10 @@ class MFDWorkerV2(BaseSpecWorker):
     def init_cuda_graphs(self):
         """CUDA graphs: under the automatic budget the target's tree-verify graphs at every candidate
         window, under the default schedule at each of its budgets' (SGLang captured the launch budget's), and
-        draft + tree + layout of every arm at every batch-size bucket; then the automatic budget's start-up
-        calibration (on a CPU too, where SGLang calls this as well and nothing is captured)."""
+        draft + tree + layout of every arm each batch-size bucket can play (`budget.playable`); then the
+        warm-up (`warmup.warm_up`: every kernel specialisation a round can launch) and the automatic budget's
+        start-up calibration (on a CPU too, where SGLang calls this as well and nothing is captured). SGLang
+        reports the server ready after this."""
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 
         max_bs = int(self.server_args.max_running_requests)
@@ -178,9 +181,11 @@ class MFDWorkerV2(BaseSpecWorker):
             if self.auto_budget is not None:
                 self.auto_budget.capture_verify_graphs(self.model_runner)
             elif self.budget_schedule is not None:
-                self.verify_windows = verify_graphs_by_width(self.model_runner, self.budget_schedule.budgets(),
+                self.verify_windows = verify_graphs_by_width(self.model_runner, self.playable.budgets(),
                                                              "default budget schedule")
-            self.drafting.capture_graphs(max_bs, self.auto_budget.arms if self.auto_budget else self.fixed_arms())
+            self.drafting.capture_graphs(self.playable)
+        if warmup_runs(self.options.warmup, self.device):
+            warm_up(self)
         if self.auto_budget is not None:
             self.auto_budget.calibrate(max_bs,
                                        self.model_runner.req_to_token_pool.req_to_token.shape[1],
@@ -324,14 +329,6 @@ class MFDWorkerV2(BaseSpecWorker):
             return self.budget_schedule.arm(scheduled_bs or bs, path)
         return path.at(self.budget)
 
-    def fixed_arms(self) -> list[Arm]:
-        """The arms a round without the automatic budget may draft: the K-mode path (or the gate's K' modes)
-        and MFD_D's single-mode path, at the launch budget or at every budget of the default schedule."""
-        if self.budget_schedule is not None:
-            return self.budget_schedule.arms(every_path=self.attention_dp)
-        return [Arm(False, self.budget, self.gated_modes)] + ([Arm(True, self.budget)] if self.switch_threshold
-                                                             is not None else [])
-
     def scheduled_batch_size(self, batch) -> int:
         """The requests the default schedule reads a round's budget at: this rank's, or under attention DP
         every DP rank's together (SGLang's per-rank counts of the round, gathered before it on every rank),
@@ -363,13 +360,15 @@ class MFDWorkerV2(BaseSpecWorker):
                 tensor.copy_(self.tp_group.broadcast(tensor.contiguous(), src=0))
 
     # --- commit -----------------------------------------------------------------------------------
-    def commit_verified(self, verified: VerifiedTree, result: TreeVerifyResult, seq_lens: torch.Tensor) -> None:
+    def commit_verified(self, verified: VerifiedTree, result: TreeVerifyResult, seq_lens: torch.Tensor, *,
+                        recurrent: bool = True) -> None:
         """Target KV of the accepted path to the front of the verify window (SGLang's
         `move_accept_tokens_to_target_kvcache`) and, for a hybrid target, the recurrent / conv state
         after its last node into the request's state (SGLang's `commit_mamba_states_after_verify`; the
         verify kept every node's state aside); drafter context K/V of the committed tokens (root +
         accepted nodes) into their slots, held for a batched write after a plain-decoding round. The
-        stage itself is `commit_round`, shared with the round-cost harness (`mfd_sglang.round_cost`)."""
+        stage itself is `commit_round`, shared with the round-cost harness (`mfd_sglang.round_cost`).
+        recurrent=False leaves a hybrid target's state alone (the warm-up's placeholder rounds)."""
         verify_batch = verified.batch
         bs = seq_lens.shape[0]
         num_nodes = verify_batch.spec_info.draft_token_num  # the round's window: root + its tree
@@ -379,7 +378,7 @@ class MFDWorkerV2(BaseSpecWorker):
             # SGLang indexes the batch's flat verify window (request b's node i: b * N + i).
             base = torch.arange(bs, device=path.device)[:, None] * num_nodes
             accept_index = torch.where(path >= 0, base + path, -1)
-            if self.recurrent_target:
+            if self.recurrent_target and recurrent:
                 commit_mamba_states_after_verify(self.target_worker, verify_batch, result.accept_lens,
                                                  accept_index, num_nodes)
             if num_nodes > 1:  # a plain-decoding round's K/V is already where it belongs

@@ -165,22 +165,6 @@ class BudgetSchedule:
         """The budgets rounds play, ascending."""
         return tuple(sorted({self.budget(n) for n in range(1, self.max_requests + 1)}))
 
-    def arms(self, every_path: bool = False) -> list[Arm]:
-        """Every arm a round may play, for draft graphs: the path and budget of each batch size; every_path
-        (attention DP, where a rank drafts its own requests' path at the budget of every rank's): each path
-        of the server at each budget played."""
-        if not every_path:
-            return list(dict.fromkeys(self.arm(n, self.path(n)) for n in range(1, self.max_requests + 1)))
-        paths = [self.k_path] + ([SINGLE_MODE] if self.switch_threshold is not None else [])
-        return list(dict.fromkeys(self.arm(n, p) for n in range(1, self.max_requests + 1) for p in paths))
-
-    def rounds(self, every_path: bool = False) -> tuple[tuple[int, int], ...]:
-        """(budget, modes drafted) of a round of n = 1 .. max_requests requests (`memory.MemoryPlan.rounds`);
-        every_path (attention DP): the most modes of any path, which a rank may draft at that budget."""
-        paths = [self.k_path] + ([SINGLE_MODE] if self.switch_threshold is not None else [])
-        return tuple((self.budget(n), max(self.modes(p) for p in paths) if every_path else self.modes(self.path(n)))
-                     for n in range(1, self.max_requests + 1))
-
     def describe(self) -> str:
         """The schedule as ranges of batch sizes, e.g. 'budget 64 at 1-3, budget 32 at 4-6, ..., plain decoding
         at 16-48 requests'."""
@@ -223,12 +207,3 @@ def budget_schedule(server_args, options, drafter: DrafterConfig, target_text_co
     # Under attention DP a round reads every DP rank's requests together, at most --max-running-requests.
     return BudgetSchedule(model, budget, int(server_args.max_running_requests), k_path=Path(modes=gated_modes),
                           switch_threshold=options.switch_threshold if algorithm == "MFD_D" else None)
-
-
-def varying_budgets(auto_budget: bool, schedule: BudgetSchedule | None, budget: int) -> tuple[int, ...]:
-    """The budgets whose windows rounds verify where the budget varies, each with tree-verify graphs of its
-    own (`verify_graph.verify_graphs_by_width`, counted by the memory plan): the automatic budget's
-    candidates, or the default schedule's budgets; () for a fixed budget."""
-    if auto_budget:
-        return candidate_budgets(budget)
-    return schedule.budgets() if schedule is not None else ()

@@ -18,14 +18,18 @@ token, which is exactly what `DraftContextPool` holds per KV slot). What it does
   verify working set the float32 target logits of the B + 1 verified tokens per request that the
                     accept step reads ([bs * N, V]; a copy when the target returns lower precision),
                     plus the per-node sampling work at T > 0 (`SAMPLING_BYTES_PER_ENTRY` per logit);
-  verify graphs     where a round's budget varies (the automatic budget, the default schedule on CUDA:
-                    `budget_schedule.varying_budgets`) with CUDA graphs, the attention backends of its
-                    windows other than the launch one (`VerifyGraphPlan`).
+  draft graphs      on CUDA, what each captured draft graph keeps between replays: its static inputs and
+                    its outputs (the tree and its layout; `draft_graph_buffer_bytes`), summed over the graphs;
+  verify graphs     where a round's budget varies (the automatic budget, the default schedule on CUDA)
+                    with CUDA graphs, the attention backends of its windows other than the launch one
+                    (`VerifyGraphPlan`).
 
 `MemoryPlan.extra_bytes(bs)` is their sum at batch bs: an upper bound of what the plugin allocates
-outside SGLang's plan (under the default budget schedule on CUDA, `MemoryPlan.rounds`, the working sets are
-those of the largest round of at most bs requests at the budget and modes the schedule plays for it: the
-schedule shrinks the tree as the batch grows, so the largest round is far below bs requests at B), held
+outside SGLang's plan. The working sets are those of the largest round the server plays
+(`budget.playable.Playable`, `MemoryPlan.rounds`: every arm of every batch-size bucket at the bucket's size,
+which is what the draft graphs are captured for; under the default schedule the tree shrinks as the batch
+grows, so the largest round is far below bs requests at B). The graphs share one memory pool, which holds
+the largest of their working sets; what each keeps between replays is counted per graph. Held
 against measured allocations by `benchmarks/draft_memory.py` (the draft) and `benchmarks/verify_memory.py`
 (the verify) and their tests. At launch (`launch.plan_launch_memory`, `reserve_in_mem_fraction`) it is taken
 out of SGLang's default `--mem-fraction-static` for `--max-running-requests`, so the KV pool leaves room for
@@ -91,9 +95,13 @@ class MemoryPlan:
     # FP8 drafting: per block row, an FP8 linear's input quantized (a float32 copy and the e4m3 values)
     # and its float32 product (the unit-scale path), at the widest quantized linear; 0 unquantized
     fp8_bytes_per_row: int = 0
-    # Under a budget schedule, the (budget, modes) a round of n requests plays, n = 1, 2, ... (`rounds_of`);
-    # empty: every round drafts `num_modes` modes at `budget`.
-    rounds: tuple[tuple[int, int], ...] = ()
+    # The rounds the server plays (`budget.playable.Playable.rounds`): (batch size, budget, modes) of every arm
+    # of every batch-size bucket, at the bucket's size (a draft graph pads its batch to it); empty: every round
+    # drafts `num_modes` modes at `budget`.
+    rounds: tuple[tuple[int, int, int], ...] = ()
+    # The draft graphs' static inputs and outputs (tree and layout), which stay allocated per captured graph
+    # (`draft_graph_bytes`, summed over the captured rounds); 0 without draft CUDA graphs.
+    draft_graph_bytes: int = 0
 
     def draft_bytes(self, bs: int) -> int:
         """Upper bound of one draft + tree round's allocations at batch bs (none at budget 0: no draft)."""
@@ -121,32 +129,58 @@ class MemoryPlan:
         return (nodes * self.vocab * (FLOAT32 + SAMPLING_BYTES_PER_ENTRY) + nodes * SAMPLING_BYTES_PER_NODE
                 + INT64 * self.vocab)
 
-    def largest_round(self, bs: int) -> tuple[int, "MemoryPlan"]:
-        """(n, the plan of a round of n requests at a fixed budget) of the round of at most bs requests whose
-        draft + verify working set is the largest: bs's own without a schedule, else the schedule's."""
+    def round_plans(self, bs: int) -> list[tuple[int, "MemoryPlan"]]:
+        """(n, the plan of a round of n requests at a fixed budget) of every round of at most bs requests the
+        server plays: bs's own without `rounds`, else the rounds of the buckets up to the one of bs requests."""
         if not self.rounds:
-            return bs, self
-        fixed = [(n, replace(self, budget=budget, num_modes=modes, rounds=()))
-                 for n, (budget, modes) in enumerate(self.rounds[:bs], start=1)]
-        return max(fixed, key=lambda plan: plan[1].draft_bytes(plan[0]) + plan[1].verify_bytes(plan[0]))
+            return [(bs, self)]
+        sizes = sorted({n for n, _, _ in self.rounds})
+        bucket = next((n for n in sizes if n >= bs), sizes[-1])
+        return [(n, replace(self, budget=budget, num_modes=modes, rounds=(), draft_graph_bytes=0))
+                for n, budget, modes in self.rounds if n <= bucket]
+
+    def largest_draft(self, bs: int) -> tuple[int, "MemoryPlan"]:
+        """The round (`round_plans`) of the largest draft + tree working set: the draft graphs share one memory
+        pool, which keeps the largest graph's working set for the server's life."""
+        return max(self.round_plans(bs), key=lambda plan: plan[1].draft_bytes(plan[0]))
+
+    def largest_verify(self, bs: int) -> tuple[int, "MemoryPlan"]:
+        """The round of the largest verify working set (it comes on top of the draft graphs' pool)."""
+        return max(self.round_plans(bs), key=lambda plan: plan[1].verify_bytes(plan[0]))
+
+    def parts(self, bs: int) -> dict[str, int]:
+        """The plan's bytes by part with bs requests running; they sum to `extra_bytes(bs)`."""
+        (n_draft, draft), (n_verify, verify) = self.largest_draft(bs), self.largest_verify(bs)
+        return {"drafter weights": self.weight_bytes, "draft + tree": draft.draft_bytes(n_draft),
+                "verify logits": verify.verify_bytes(n_verify), "draft graphs' buffers": self.draft_graph_bytes,
+                "verify graphs of the other windows": self.verify_graph_bytes}
 
     def extra_bytes(self, bs: int) -> int:
         """Everything MFD allocates outside SGLang's plan with bs requests running."""
-        n, plan = self.largest_round(bs)
-        return self.weight_bytes + plan.draft_bytes(n) + plan.verify_bytes(n) + self.verify_graph_bytes
+        return sum(self.parts(bs).values())
 
     def describe(self, bs: int) -> str:
         mib = 2**20
-        graphs = (f", verify graphs of the other windows {self.verify_graph_bytes / mib:.0f} MiB"
-                  if self.verify_graph_bytes else "")
         fp8 = " (attention and MLP linears in FP8)" if self.fp8_bytes_per_row else ""
-        n, plan = self.largest_round(bs)
-        at = (f"at {bs} requests" if not self.rounds else
-              f"at the schedule's largest round of at most {bs} requests ({n} at budget {plan.budget})")
-        return (f"drafter weights {self.weight_bytes / mib:.0f} MiB{fp8}, draft + tree {at} "
-                f"{plan.draft_bytes(n) / mib:.0f} MiB, verify logits {plan.verify_bytes(n) / mib:.0f} MiB"
-                f"{graphs} (outside SGLang's plan: {self.extra_bytes(bs) / mib:.0f} MiB); drafter context "
+        parts = ", ".join(f"{name} {size / mib:.0f} MiB{fp8 if name == 'drafter weights' else ''}"
+                          for name, size in self.parts(bs).items() if size or "graphs" not in name)
+        if self.rounds:
+            (n_draft, draft), (n_verify, verify) = self.largest_draft(bs), self.largest_verify(bs)
+            at = (f"the largest rounds of at most {bs} requests: draft {n_draft} at budget {draft.budget}, "
+                  f"verify {n_verify} at budget {verify.budget}")
+        else:
+            at = f"{bs} requests at budget {self.budget}"
+        return (f"{parts} (at {at}; outside SGLang's plan: {self.extra_bytes(bs) / 2**30:.2f} GiB); drafter context "
                 f"{self.context_bytes_per_token} B per KV slot (inside SGLang's KV plan)")
+
+
+def draft_graph_buffer_bytes(bs: int, budget: int) -> int:
+    """What one draft graph of bs requests at `budget` keeps allocated between replays (`cuda_graph.BatchGraphs`):
+    its static inputs and their pad copies (roots, lengths, request slots: int64) and its outputs, the tree
+    (tokens, parents, depths, modes: int64; scores: float32; valid: bool, per node) and its verify layout
+    (five int64 fields per window token and the window's ancestor mask, bool)."""
+    nodes, window = budget, budget + 1
+    return bs * (2 * 3 * INT64 + nodes * (4 * INT64 + FLOAT32 + 1) + window * 5 * INT64 + window * window)
 
 
 # flashinfer allocates an 8 MiB int workspace on the device in every wrapper's __init__; SGLang's
@@ -288,14 +322,16 @@ def reserve_in_mem_fraction(server_args, plan: MemoryPlan, gpu_mem_mib: float | 
 
 
 def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embeddings: bool, dtype_bytes: int,
-                        num_modes: int | None, verify_budgets: tuple[int, ...], schedule=None) -> MemoryPlan:
+                        num_modes: int | None, playable, draft_graphs: bool) -> MemoryPlan:
     """The plan of the drafter checkpoint `ckpt` served by `server_args` with tree budget B over a target
-    vocabulary of `vocab`, as the launch reserves it and the worker logs it; verify_budgets: the budgets whose
-    tree-verify graphs are captured beside the launch one's (`budget_schedule.varying_budgets`; empty: none);
-    schedule: the default `budget_schedule.BudgetSchedule` in force, whose rounds size the working sets."""
+    vocabulary of `vocab`, as the launch reserves it and the worker logs it; playable: what each batch-size
+    bucket plays (`budget.playable.Playable`), whose rounds size the working sets and, where the budget
+    varies, whose windows get tree-verify graphs beside the launch one's; draft_graphs: whether the draft
+    stage captures CUDA graphs of its (bucket, arm) pairs (`DraftStage.captures_graphs`)."""
     from mfd_sglang.serving.launch.options import attention_dp_size, draft_quantization
 
-    graphs = verify_graph_plan(server_args, budget, verify_budgets) if verify_budgets else None
+    verify_budgets = playable.budgets()
+    graphs = verify_graph_plan(server_args, budget, verify_budgets) if verify_budgets != (budget,) else None
     # The vocabulary is sharded over the ranks that run one batch: the attention-TP group under attention DP.
     vocab_shards = int(server_args.tp_size or 1) // attention_dp_size(server_args)
     weights = sum(t.numel() for t in ckpt.weights.values() if t.is_floating_point())  # as at launch
@@ -303,7 +339,6 @@ def drafter_memory_plan(server_args, ckpt, *, budget: int, vocab: int, tied_embe
                        num_modes=num_modes, tp_size=vocab_shards, tied_embeddings=tied_embeddings,
                        verify_graph_bytes=graphs.total_bytes() if graphs else 0,
                        draft_quantization=draft_quantization(server_args))
-    if schedule is None:
-        return plan
-    # Under attention DP a rank drafts its own requests' path at the budget of every rank's: any path.
-    return replace(plan, rounds=schedule.rounds(every_path=attention_dp_size(server_args) > 1))
+    return replace(plan, rounds=playable.rounds(plan.num_modes),
+                   draft_graph_bytes=sum(draft_graph_buffer_bytes(bs, arm.budget) for bs, arm in playable.pairs())
+                   if draft_graphs else 0)

@@ -27,6 +27,9 @@ plain dict that rides along to every scheduler process (TP, DP, PD) with the rec
                                         elsewhere; torch: the torch references on CUDA too (the way
                                         around a Triton kernel that fails on a GPU; draft CUDA graphs
                                         off); triton: refused on a device that is not CUDA.
+    --mfd-warmup {auto,on,off}          the start-up warm-up (`mfd_sglang.serving.warmup`): a
+                                        placeholder round at every batch size and arm before the
+                                        server is ready; auto (default) on CUDA, where kernels compile.
 
 Deprecated, for one release: the environment variables MFD_SGLANG_SWITCH_THRESHOLD=N, MFD_SGLANG_NUM_MODES=K',
 MFD_SGLANG_AUTO_BUDGET=1 and MFD_SGLANG_MODE_SUBSETS=0/1 still set the same options where no flag does, with
@@ -39,7 +42,9 @@ a warning. Where SGLang has a flag, MFD uses it:
                                         the drafter's attention and MLP linears in FP8 e4m3
                                         (`mfd_sglang.fp8`: per-channel weights, dynamic per-token
                                         activations); see `draft_quantization`. Default: SGLang's,
-                                        the target's --quantization.
+                                        the target's --quantization. Needs a GPU of compute capability
+                                        8.9 or more (Ada, Hopper): below, refused when set, and an
+                                        inherited fp8 leaves the drafter unquantized, with a warning.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ NUM_MODES_ENV = "MFD_SGLANG_NUM_MODES"
 AUTO_BUDGET_ENV = "MFD_SGLANG_AUTO_BUDGET"
 MODE_SUBSETS_ENV = "MFD_SGLANG_MODE_SUBSETS"
 DEFAULT_SWITCH_THRESHOLD = 3
+WARMUP_CHOICES = ("auto", "on", "off")
 # The largest tree budget: every Triton kernel compiles for sm_90a and sm_80 within shared memory and without
 # spills up to B = 256 (tests/test_gpu_ledger.py); at B = 512 the beam kernel alone compiles for minutes.
 MAX_BUDGET = 256
@@ -76,6 +82,7 @@ class MFDOptions:
     auto_budget: bool = False
     mode_subsets: bool | None = None  # None: offered where they can be (a mode gate, the automatic budget)
     kernels: str = "auto"  # --mfd-kernels: `mfd_sglang.backend.resolve_backend` makes it "triton" or "torch"
+    warmup: str = "auto"  # --mfd-warmup: `mfd_sglang.serving.warmup.warmup_runs`
     # How each option was given, for messages: its flag, or its environment variable and value.
     spelled: dict = field(default_factory=dict, compare=False)
 
@@ -94,7 +101,8 @@ OPTIONS = (Option("switch_threshold", "--mfd-switch-threshold", SWITCH_THRESHOLD
            Option("num_modes", "--mfd-num-modes", NUM_MODES_ENV),
            Option("auto_budget", "--mfd-auto-budget", AUTO_BUDGET_ENV),
            Option("mode_subsets", "--mfd-mode-subsets", MODE_SUBSETS_ENV),
-           Option("kernels", "--mfd-kernels", None))
+           Option("kernels", "--mfd-kernels", None),
+           Option("warmup", "--mfd-warmup", None))
 SWITCHES = {"on": True, "off": False, "true": True, "false": False}  # YAML reads on / off as booleans
 
 
@@ -135,6 +143,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                             "CUDA, torch elsewhere; torch = the pure-torch path on CUDA too, the way around a Triton "
                             "kernel that fails on your GPU (slower: no draft CUDA graphs); triton = Triton, refused "
                             "without CUDA")
+    group.add_argument("--mfd-warmup", choices=WARMUP_CHOICES, default=None,
+                       help="before the server reports ready, run a placeholder round at every batch size and arm it "
+                            "can play, so that no request waits for a kernel compile: auto (default) = on CUDA, "
+                            "where kernels compile; on = on any device; off = skip it (the first rounds of each "
+                            "batch size then compile, 0.4-1.2 s each on a GPU)")
 
 
 def given_options(namespace: argparse.Namespace) -> dict:
@@ -201,6 +214,7 @@ def read_options(server_args=None, environ=None) -> MFDOptions:
         auto_budget=bool(values.get("auto_budget")),
         mode_subsets=values.get("mode_subsets"),
         kernels=values.get("kernels", "auto"),
+        warmup=values.get("warmup", "auto"),
         spelled=spelled,
     )
 
@@ -218,6 +232,8 @@ def attention_dp_size(server_args) -> int:
 
 # --speculative-draft-model-quantization values MFD's drafter runs (None: the serving dtype).
 DRAFT_QUANTIZATIONS = (None, "fp8")
+# GPUs this process has warned about keeping the drafter unquantized on: the launch and every rank ask again.
+_WARNED_NO_FP8: set[str] = set()
 
 
 def draft_quantization(server_args) -> str | None:
@@ -225,11 +241,31 @@ def draft_quantization(server_args) -> str | None:
     --speculative-draft-model-quantization: "fp8" or None (the serving dtype). Unset, SGLang gives the
     draft model the target's --quantization ("unquant" resolves to None); MFD follows it where it can, so
     an inherited method other than fp8 leaves the drafter in the serving dtype (its checkpoint is not in
-    that method's format). Set on the command line to another method: ValueError naming the flag."""
+    that method's format). Set on the command line to another method: ValueError naming the flag.
+    fp8 on a CUDA GPU without FP8 (`mfd_sglang.fp8.fp8_drafting_supported`: below compute capability 8.9; the
+    launch's first GPU, --base-gpu-id, is read): set on the command line, ValueError naming the flag;
+    inherited from the target's --quantization fp8, None, with a warning (once per process and GPU)."""
     method = getattr(server_args, "speculative_draft_model_quantization", None)
+    explicit = getattr(server_args, "_speculative_draft_quantization_explicitly_set", False)
+    if method == "fp8" and getattr(server_args, "device", None) == "cuda":
+        from mfd_sglang.fp8 import cuda_capability, fp8_drafting_supported  # torch only where fp8 meets CUDA
+
+        gpu = f"cuda:{getattr(server_args, 'base_gpu_id', 0) or 0}"
+        if not fp8_drafting_supported(gpu):
+            why = (f"this GPU ({gpu}) has compute capability {'.'.join(map(str, cuda_capability(gpu)))}, and FP8 "
+                   "drafting needs 8.9 or more (Ada, Hopper and newer), the first with FP8 tensor cores and e4m3 "
+                   "conversions")
+            if explicit:
+                raise ValueError(f"--speculative-draft-model-quantization fp8: {why}. Drop the flag, or pass "
+                                 "unquant, to draft in the serving dtype.")
+            if gpu not in _WARNED_NO_FP8:
+                _WARNED_NO_FP8.add(gpu)
+                logger.warning("MFD: the drafter does not follow the target's --quantization fp8 and drafts in the "
+                               "serving dtype: %s.", why)
+            return None
     if method in DRAFT_QUANTIZATIONS:
         return method
-    if getattr(server_args, "_speculative_draft_quantization_explicitly_set", False):
+    if explicit:
         raise ValueError(f"--speculative-draft-model-quantization {method}: MFD's drafter runs its linears in "
                          "fp8 (online, from its bf16 / fp32 checkpoint) or unquantized; pass fp8 or unquant.")
     return None

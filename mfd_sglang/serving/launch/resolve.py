@@ -92,7 +92,9 @@ def plan_launch_memory(server_args) -> None:
 
     from mfd_sglang.checkpoint import load_drafter
 
-    from mfd_sglang.serving.budget.schedule import budget_schedule, varying_budgets
+    from mfd_sglang.serving.budget.playable import server_playable
+    from mfd_sglang.serving.draft_stage import draft_graphs_captured
+    from mfd_sglang.serving.budget.schedule import budget_schedule
     from mfd_sglang.serving.launch.memory import drafter_memory_plan, reserve_in_mem_fraction
     from mfd_sglang.serving.launch.options import budget_from_num_draft_tokens, read_options
 
@@ -105,11 +107,13 @@ def plan_launch_memory(server_args) -> None:
     if schedule is not None:
         logger.info("MFD budget (no --speculative-num-draft-tokens, no --mfd-auto-budget): %s; pass "
                     "--speculative-num-draft-tokens N for a fixed budget", schedule.describe())
+    algorithm = str(server_args.speculative_algorithm).upper()
+    playable = server_playable(server_args, options, ckpt.config, budget=budget, algorithm=algorithm, schedule=schedule)
     plan = drafter_memory_plan(server_args, ckpt, budget=budget, vocab=target["vocab_size"],
                                tied_embeddings=bool(target.get("tie_word_embeddings")),
                                dtype_bytes=4 if str(server_args.dtype) in ("float32", "float") else 2,
-                               num_modes=options.num_modes,
-                               verify_budgets=varying_budgets(options.auto_budget, schedule, budget), schedule=schedule)
+                               num_modes=options.num_modes, playable=playable,
+                               draft_graphs=draft_graphs_captured(server_args, options.kernels, ckpt.config))
     logger.info("MFD memory at launch: %s", plan.describe(int(server_args.max_running_requests)))
     if str(server_args.device) == "cpu":
         return  # CPU servers get an explicit --mem-fraction-static from the CPU launcher
