@@ -85,6 +85,14 @@ def _copy_into(dst, src) -> None:
         d.copy_(s)
 
 
+def smallest_bucket(buckets: Sequence[int], bs: int) -> int:
+    """The smallest of ascending `buckets` that holds bs (a batch pads up to it); ValueError past the largest."""
+    for size in buckets:
+        if size >= bs:
+            return size
+    raise ValueError(f"a batch of {bs} exceeds the largest bucket {buckets[-1]}")
+
+
 def default_buckets(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_bs (SGLang's decode graph sizes follow the same idea)."""
     sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs + 8, 8))
@@ -112,10 +120,7 @@ class BatchGraphs:
         return self.buckets[-1]
 
     def bucket(self, bs: int) -> int:
-        for size in self.buckets:
-            if size >= bs:
-                return size
-        raise ValueError(f"batch of {bs} exceeds the largest captured size {self.max_bs}")
+        return smallest_bucket(self.buckets, bs)
 
     def capture_all(self, keys: Sequence = (None,)) -> None:
         self.capture_pairs([(size, key) for key in keys for size in self.buckets])

@@ -28,9 +28,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # run's junit report), handed out first so that the workers finish together (xdist's loadfile hands modules out
 # in collection order); the others keep theirs.
 LONGEST_FIRST = ("test_sglang_kits", "test_released_formats", "test_device_kit", "test_serving", "test_mfd_server",
-                 "test_scale_out", "test_self_check", "test_hybrid_target", "test_pd_disaggregation",
+                 "test_gpu_ledger", "test_scale_out", "test_self_check", "test_hybrid_target", "test_pd_disaggregation",
                  "test_serving_benchmarks", "test_tp_server", "test_flashinfer_kit", "test_auto_budget",
-                 "test_dflash_server", "test_tree_triton")
+                 "test_dflash_server", "test_tree_triton", "test_warmup")
 
 
 def pytest_collection_modifyitems(items):

@@ -51,7 +51,7 @@ def test_buckets():
     assert default_buckets(1) == [1]
     graphs = graphs_for(torch.zeros(2, K, D, V), use_graph=False)
     assert [graphs.bucket(b) for b in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
-    with pytest.raises(ValueError, match="batch of 13 exceeds the largest captured size 12"):
+    with pytest.raises(ValueError, match="a batch of 13 exceeds the largest bucket 12"):
         graphs.bucket(13)
 
 

@@ -87,6 +87,7 @@ def dp_server(request, tiny_pair, tmp_path_factory):
     algorithm, layout = request.param
     warmup = ("--mfd-warmup", "on") if layout == (1, 2) else ()  # the default on CUDA
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter", algorithm, 8, log_level="info",
+                       max_running=8 if warmup else None,  # the warm-up's rounds: 1-8 requests
                        threshold=2 if algorithm == "MFD_D" else None, extra_args=(*LAYOUTS[layout], *warmup),
                        extra_env={**DP_ENV, **plugin_env("round_trace", "hold_admission")})
     srv.algorithm, srv.layout = algorithm, layout

@@ -32,7 +32,7 @@ def tp_server(request, tiny_pair, tmp_path_factory):
     algorithm, budget = request.param
     algorithm = None if algorithm == "plain" else algorithm
     srv = start_server(tmp_path_factory, tiny_pair, tiny_pair / "drafter" if algorithm else None, algorithm, budget,
-                       threshold=2 if algorithm == "MFD_D" else None, log_level="info",
+                       threshold=2 if algorithm == "MFD_D" else None, log_level="info", max_running=8,
                        extra_args=("--tp-size", "2", *(("--mfd-warmup", "on") if algorithm == "MFD_D" else ())),
                        extra_env={**TP_ENV, **plugin_env("hold_admission", *(("rank_rng", "round_trace") if algorithm else ()))})
     srv.algorithm = algorithm

@@ -178,9 +178,10 @@ def draft_graphs_captured(server_args, kernels: str, cfg) -> bool:
 
     from mfd_sglang.backend import resolve_backend
 
-    graphs_on = not (server_args.disable_cuda_graph or server_args.cuda_graph_config.decode.backend == Backend.DISABLED)
-    return (graphs_on and resolve_backend(kernels, server_args.device) == "triton"
-            and not any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)))
+    if resolve_backend(kernels, server_args.device) != "triton" or any(cfg.is_sliding(i)
+                                                                        for i in range(cfg.num_hidden_layers)):
+        return False
+    return not (server_args.disable_cuda_graph or server_args.cuda_graph_config.decode.backend == Backend.DISABLED)
 
 
 def full_rows(module) -> torch.Tensor:

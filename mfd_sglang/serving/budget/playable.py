@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from mfd_sglang.cuda_graph import default_buckets
+from mfd_sglang.cuda_graph import default_buckets, smallest_bucket
 
 from mfd_sglang.serving.budget.rule import PLAIN, SINGLE_MODE, Arm, BudgetChooser, Path, describe, mode_paths
 
@@ -47,10 +47,7 @@ class Playable:
 
     def bucket(self, bs: int) -> int:
         """The bucket a round of bs requests runs in; ValueError past the largest."""
-        for size in self.buckets:
-            if size >= bs:
-                return size
-        raise ValueError(f"a round of {bs} requests: more than the {self.max_requests} the server plans for")
+        return smallest_bucket(self.buckets, bs)
 
     def arms(self, bs: int) -> tuple[Arm, ...]:
         """What a round of bs requests can play."""
