@@ -89,6 +89,7 @@ class DeviceModel:
 
 
 H200 = DeviceModel("H200", 4.8e12, 990e12, sms=132, clock_hz=1.98e9)
+H100 = DeviceModel("H100", 3.35e12, 989e12, sms=132, clock_hz=1.98e9)  # SXM: HBM3, dense bf16
 
 
 @dataclass

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import round_cost as rc
-from .gpu_cost import (FREE_OPS, H200, SERIAL_LOOPS, DeviceModel, Kernel, KernelTrace, TritonLaunch,
+from .gpu_cost import (FREE_OPS, H100, H200, SERIAL_LOOPS, DeviceModel, Kernel, KernelTrace, TritonLaunch,
                        attach_issue_times, by_stage, compile_kernel, fit_launch_floor, issue_seconds, log_rows, patched,
                        predicted_seconds, roofline_seconds, summarize, triton_launches)
 
@@ -560,6 +560,43 @@ def round_cost_predictions(batch_sizes=(1, 32), shape: str = "qwen3-4b", log: Pa
                          **{f"{name}_launches": len(part) for name, part in parts.items()}})
     return {"model": MODEL_NOTE, "launch_floor_us": round(floor * 1e6, 4), "device": device.name,
             "log": str(log.relative_to(REPO) if log.is_relative_to(REPO) else log), "rows": rows}
+
+
+ARM_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+ARM_BUDGETS = (0, 4, 8, 16, 32, 64)  # the automatic budget's candidates at B = 64 (`budget.rule.candidate_budgets`)
+
+
+def arm_round_rows(shape: str = "qwen3-8b", devices: tuple[DeviceModel, ...] = (H100, H200),
+                   batch_sizes=ARM_BATCH_SIZES, budgets=ARM_BUDGETS, log: Path = DEFAULT_LOG,
+                   progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+    """Per device, batch size and arm (path x budget: MFD's K modes, MFD_D's single mode; budget 0 is plain
+    decoding), the ledger's predicted round: MFD's own stages (`trace_worker_round`) plus the target's
+    forward over bs (b + 1) tokens (`trace_target_forward`), each kernel at max(roofline, launch floor), the
+    floor fitted to the H200 log's plain steps (`plain_step_floor`). What the automatic budget's oracle test
+    takes its clock from (tests/test_auto_budget.py). Without Triton issue times (they add < 2% here)."""
+    floor = plain_step_floor(log, shape)
+    traced: dict = {}
+
+    def kernels(trace, *args) -> list[Kernel]:
+        if (trace, args) not in traced:
+            progress(f"tracing {trace.__name__}{args}")
+            traced[trace, args] = trace(*args)
+        return traced[trace, args]
+
+    rows = []
+    for device in devices:
+        for bs in batch_sizes:
+            for config in CONFIGS:
+                for budget in budgets:
+                    if budget == 0 and config != "mfd":
+                        continue  # plain decoding drafts nothing: one row
+                    own = kernels(trace_worker_round, Scenario(shape, config, bs, budget))
+                    verify = kernels(trace_target_forward, shape, bs, budget + 1)
+                    ms = 1e3 * sum(predicted_seconds(roofline_seconds(k, device), floor) for k in (own, verify))
+                    rows.append({"device": device.name, "shape": shape, "bs": bs,
+                                 "path": "plain" if budget == 0 else config, "budget": budget,
+                                 "round_ms": round(ms, 4)})
+    return rows
 
 
 MODEL_NOTE = ("per kernel max(bytes / HBM bandwidth, FLOPs / peak, issue-bound time (Triton), launch floor); a "

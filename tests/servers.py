@@ -217,6 +217,19 @@ def run_six_and_one(server: ServerProcess, hf_target, tiny_prompts: list[str]) -
         Served(prompts[1], 24, meta)]
 
 
+def run_six_long(server: ServerProcess, hf_target, tiny_prompts: list[str], max_new_tokens: int) -> list[Served]:
+    """Six requests of max_new_tokens at once (admitted together: `plugin_env("hold_admission")`), greedy output
+    equal to the target's: under the automatic budget, enough request-rounds to measure its drafting paths in
+    turn (each from `BudgetChooser.min_requests`, 64)."""
+    model, tok = hf_target
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
+    with admitted_together(server, 6), concurrent.futures.ThreadPoolExecutor(6) as pool:
+        outputs = list(pool.map(lambda ids: generate_ids(server, ids, max_new_tokens), prompts))
+    for ids, (got, _) in zip(prompts, outputs):
+        assert got == plain_greedy(model, ids, max_new_tokens), log_tail(server.log_path)
+    return [Served(ids, max_new_tokens, meta) for ids, (_, meta) in zip(prompts, outputs)]
+
+
 def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

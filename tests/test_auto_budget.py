@@ -26,8 +26,8 @@ from mfd_sglang.serving.budget.rule import (PLAIN, SINGLE_MODE, Arm, BudgetChoos
                                             candidate_budgets, mode_paths)
 from mfd_sglang.serving.launch.options import read_options
 from references import TOP_K_ALL, assert_served_as_reference_rounds, reference_sample
-from servers import (admitted_together, generate_ids, log_tail, plugin_env, round_traces, run_six_and_one, served_without_leaks,
-                     start_server)
+from servers import (admitted_together, generate_ids, log_tail, plugin_env, round_traces, run_six_and_one, run_six_long,
+                     served_without_leaks, start_server)
 
 
 K_MODES = Path()
@@ -97,7 +97,7 @@ def test_mode_paths():
 
 @pytest.mark.parametrize("case", ["speculation-pays", "verify-too-dear", "mfd_d", "mode-subsets"])
 def test_the_chooser_settles_on_the_best_arm_at_every_batch_size(case):
-    """After a short exploration (the first 100 of 400 rounds) the arms the chooser plays are worth >= 96%
+    """After a short exploration (the first 200 of 600 rounds: each path is measured on 64 request-rounds first) the arms the chooser plays are worth >= 96%
     of the best one (by the simulation's own law) on average over four seeds, and >= 85% for each seed,
     at each batch size in turn; where speculation does not pay it plays plain decoding (budget 0).
     (Per seed, arms within a few percent of each other trade places: the acceptance they are told
@@ -115,7 +115,7 @@ def test_the_chooser_settles_on_the_best_arm_at_every_batch_size(case):
         for bs in worth:
             values = {arm: sim.value(bs, arm) for arm in chooser.arms}
             best_arms[bs] = max(values, key=values.get)
-            played = sim.run(chooser, bs, 400)[100:]
+            played = sim.run(chooser, bs, 600)[200:]
             worth[bs].append(sum(values[arm] for arm in played) / len(played) / values[best_arms[bs]])
     for bs, shares in worth.items():
         assert sum(shares) / len(shares) >= 0.96 and min(shares) >= 0.85, (bs, best_arms[bs], shares)
@@ -132,8 +132,9 @@ def test_the_chooser_settles_on_the_best_arm_at_every_batch_size(case):
 def test_a_larger_batch_does_not_retime_trees_a_smaller_one_ruled_out():
     """Where the verify is too dear for any tree, the first batch size times the trees once; at the
     larger ones, where each tree costs relatively more still, the trees' relative cost at the smaller
-    size bounds theirs, so only the probes play a tree (the simulation's trees cost 2.5x plain
-    decoding at bs 1 and more above; without the bound every tree is timed again at every size)."""
+    size bounds theirs, so at most the smallest tree (worth 0.87x plain decoding at bs 1: its bound is
+    close) is timed and the probes play it (the simulation's trees cost 2.5x plain decoding at bs 1 and
+    more above; without the bound every tree is timed again at every size)."""
     sim = SimulatedServer(16, depth={K_MODES: 6.0}, base=0.02, per_token=0.01, draft={K_MODES: 0.006})
     chooser = BudgetChooser(16)
     first = sim.run(chooser, 1, 100)
@@ -141,7 +142,8 @@ def test_a_larger_batch_does_not_retime_trees_a_smaller_one_ruled_out():
     for bs in (2, 4, 8):
         played = sim.run(chooser, bs, 100)
         trees = [arm for arm in played if arm.budget > 0]
-        assert len(trees) <= 3 and played[-1] == PLAIN, (bs, trees)
+        assert set(trees) <= {Arm(False, 4)} and len(trees) <= chooser.min_timings + 2, (bs, trees)
+        assert chooser.chosen[bs] == PLAIN, bs
 
 
 def test_a_start_up_calibration_spares_the_exploration_of_arms_it_rules_out():
@@ -208,9 +210,9 @@ def test_a_drafter_that_accepts_nothing_settles_on_plain_decoding():
         if calibrate:
             chooser.calibrate(calibrated(sim, chooser))
         for bs in (1, 2, 4, 8):
-            played = sim.run(chooser, bs, 200)
-            assert chooser.chosen[batch_bucket(bs)] == PLAIN, (calibrate, bs, played[100:])
-            assert played[100:].count(PLAIN) >= 95, (calibrate, bs, played[100:])
+            played = sim.run(chooser, bs, 300)  # at bs 1 each path's first 64 rounds measure it
+            assert chooser.chosen[batch_bucket(bs)] == PLAIN, (calibrate, bs, played[200:])
+            assert played[200:].count(PLAIN) >= 95, (calibrate, bs, played[200:])
 
 
 def test_the_calibrated_estimate_adds_the_overhead_the_timed_arms_show():
@@ -218,15 +220,38 @@ def test_the_calibrated_estimate_adds_the_overhead_the_timed_arms_show():
     chooser.calibrate({(1, Arm(False, 0)): 0.010, (1, Arm(False, 16)): 0.030, (2, Arm(False, 16)): 0.050})
     assert chooser.estimate(1, Arm(False, 16)) == pytest.approx(0.030)  # nothing timed yet: no overhead
     assert chooser.estimate(1, Arm(False, 8)) is None  # never calibrated
-    for _ in range(2):
+    for _ in range(chooser.min_timings):
         chooser.record_round_time(1, Arm(False, 0), 0.014)
     assert chooser.estimate(1, Arm(False, 16)) == pytest.approx(0.034)
     assert chooser.estimate(2, Arm(False, 16)) == pytest.approx(0.050)  # another bucket's overhead is its own
     assert chooser.cost_floor(1, Arm(False, 16)) == pytest.approx(chooser.ratio_slack * 0.034)
 
 
-def test_acceptance_of_every_smaller_budget_is_kept_from_one_round():
+def test_the_summary_shows_each_choice_with_its_measured_speed_beside_plain_decodings(caplog):
+    """What the log and /server_info show per batch-size bucket once the choice settled: the chosen arm, its
+    measured tokens per request per second (its tokens over its round time) and plain decoding's (1 over its
+    round time; none where it was not timed), the same numbers the log line of the choice carries."""
+    sim = SimulatedServer(16, depth={K_MODES: 6.0, SINGLE_MODE: 4.5}, base=0.02, per_token=0.0008,
+                          draft={K_MODES: 0.006, SINGLE_MODE: 0.0005})
     chooser = BudgetChooser(16, paths=MFD_D)
+    chooser.calibrate(calibrated(sim, chooser))
+    with caplog.at_level("INFO", logger=budget_module.__name__):
+        for bs in (1, 8):
+            sim.run(chooser, bs, 300)
+    summary = chooser.summary()
+    assert set(summary) == {1, 8}
+    for bucket, row in summary.items():
+        arm = chooser.chosen[bucket]
+        assert row["arm"] == budget_module.describe(arm) and row["budget"] == arm.budget
+        assert row["tokens_per_s"] == pytest.approx(chooser.tokens(arm) / chooser.cost(bucket, arm))
+        plain = chooser.cost(bucket, PLAIN)  # None where the calibration spared timing it
+        assert row["plain_tokens_per_s"] == (None if plain is None else pytest.approx(1 / plain))
+    last = [r.getMessage() for r in caplog.records if "batch size <= 8 ->" in r.getMessage()][-1]
+    assert "plain decoding " in last and "tokens per request per second" in last, last
+
+
+def test_acceptance_of_every_smaller_budget_is_kept_from_one_round():
+    chooser = BudgetChooser(16, paths=MFD_D, min_requests=8)
     assert chooser.measured_budgets(Arm(True, 8)) == [0, 4, 8]
     chooser.record_acceptance(Arm(True, 8), [[1, 2, 3], [1, 1, 5]])
     assert chooser.tokens(Arm(True, 8)) is None  # 2 request-rounds: too few to count (min_requests 8)
@@ -270,21 +295,24 @@ def auto_server(tiny_pair, tmp_path_factory):
 
 def calibrated_costs(log: str) -> dict[str, list[float]]:
     """{arm: milliseconds per bucket} of the start-up calibration table in a server log."""
-    table = log.split("start-up calibration", 1)[1].split("\n")[2:9]
+    table = log.split("MFD auto budget: calibration", 1)[1].split("\n")[2:9]
     rows = [re.match(r"(.+?)\s{2,}([\d. ]+)$", line) for line in table]
     return {m.group(1).strip(): [float(x) for x in m.group(2).split()] for m in rows if m}
 
 
 def test_auto_budget_drafts_the_arms_it_chooses_and_stays_exact(auto_server, reference_target, tiny_pair,
                                                                  hf_target, tiny_prompts):
-    """Exact output while the chooser switches between the largest trees of both drafting paths (what it
-    plays first, whatever the times: their acceptance is not measured yet) and whatever the round times
-    make it choose next (the policy itself: the simulations above). Every request's rounds are the
+    """Exact output while the chooser switches between the trees of both drafting paths (what it plays first,
+    whatever the times, on a batch long enough to measure both: their acceptance is not measured yet) and
+    whatever the round times
+    make it choose next (the policy itself: the simulations above; /server_info shows each bucket's choice as
+    the log announced it last; the simulations check its values). Every request's rounds are the
     reference engine's for the arms the draft stage drafted, round by round; drafting the launch arm
     (B = 16, K modes) every round accepts otherwise on some request, so a worker that ignored the chosen
     arm fails it. It was calibrated at start-up: every arm at every batch-size bucket up to the 48 running
     requests the launch resolved (1, 2, ..., 64), each a positive, finite time; its memory line is at 48."""
-    served = run_six_and_one(auto_server, hf_target, tiny_prompts)
+    served = run_six_long(auto_server, hf_target, tiny_prompts, 48) + run_six_and_one(auto_server, hf_target,
+                                                                                       tiny_prompts)
     traces = round_traces(auto_server)
     paths = {r.arm[0] for rounds in traces.values() for r in rounds if r.arm[1] > 0}
     assert paths == {False, True}, f"the paths the draft stage drafted (single_mode): {paths}"
@@ -296,6 +324,14 @@ def test_auto_budget_drafts_the_arms_it_chooses_and_stays_exact(auto_server, ref
     costs = calibrated_costs(log)
     assert len(costs) == 7 and all(len(ms) == batch_bucket(48).bit_length() for ms in costs.values()), costs
     assert all(0 < t < math.inf for ms in costs.values() for t in ms), costs
+    # /server_info: the choice per bucket as the log announced it last (none where a batch size is still being
+    # explored), its measured speed beside plain decoding's
+    states = requests.get(auto_server.base_url + "/server_info", timeout=60).json()["internal_states"]
+    choices = states[0]["mfd_auto_budget"]
+    announced = dict(re.findall(r"MFD auto budget: batch size <= (\d+) -> (.*?) \(\d", log))
+    assert {bucket: c["arm"] for bucket, c in choices.items()} == announced, (choices, announced)
+    assert all(c["tokens_per_s"] > 0 and (c["plain_tokens_per_s"] is None or c["plain_tokens_per_s"] > 0)
+               for c in choices.values()), choices
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from mfd_sglang.checkpoint import load_drafter, save_drafter
 from mfd_sglang.hf import SpeculativeGenerator
 from references import (SPREAD_LAW, assert_served_as_reference_rounds, request_law, served_summary, spread_samples,
                         verify_summary)
-from servers import (generate_ids, log_tail, plugin_env, resolve_cases, round_traces, run_six_and_one,
+from servers import (generate_ids, log_tail, plugin_env, resolve_cases, round_traces, run_six_and_one, run_six_long,
                      served_without_leaks, start_server)
 
 BUDGET = 16
@@ -101,7 +101,9 @@ def test_the_gates_two_best_modes_keep_seeded_sampling(two_modes_server, hf_targ
 
 def test_the_automatic_budget_drafts_every_mode_subset_as_the_reference_rounds(auto_server, reference_target,
                                                                                 gated_drafter, hf_target, tiny_prompts):
-    served = run_six_and_one(auto_server, hf_target, tiny_prompts)
+    # three paths, each measured from 64 request-rounds in turn, then the choice among them
+    served = run_six_long(auto_server, hf_target, tiny_prompts, 128) + run_six_and_one(auto_server, hf_target,
+                                                                                        tiny_prompts)
     log = auto_server.log()
     assert "paths: K-mode draft, gate's best 2 mode(s), gate's best 1 mode(s)" in log, log_tail(auto_server.log_path)
     traces = round_traces(auto_server)

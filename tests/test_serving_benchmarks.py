@@ -160,7 +160,7 @@ def test_demo_reads_the_automatic_budgets_choice_from_the_log(caplog):
     chooser = BudgetChooser(8)
     with caplog.at_level(logging.INFO, logger="mfd_sglang.serving.budget.rule"):
         assert auto_budget_choice(caplog.text) is None
-        for _ in range(20):  # plain decoding is cheaper and a tree of any size accepts nothing here
+        for _ in range(200):  # plain decoding is cheaper and a tree of any size accepts nothing here
             arm = chooser.choose(1)
             chooser.record_acceptance(arm, [[1] * len(chooser.measured_budgets(arm))])
             chooser.record_round_time(1, arm, 0.01 + 0.001 * arm.budget)

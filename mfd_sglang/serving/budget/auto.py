@@ -10,7 +10,8 @@ calibration (`budget.calibration`). The worker talks to it through four calls:
   `activate_window(width)`  the verify graphs (and attention backend) of the round's window;
   `after_round(arm, result)` start measuring what the round committed (no host sync);
   `other_forward()`         a prefill ran: the interval to the next decode round is not a round's.
-and at start-up `capture_verify_graphs(model_runner)` then `calibrate(...)`.
+and at start-up `capture_verify_graphs(model_runner)` then `calibrate(...)`; a calibration the served rounds
+show was taken under load is taken again before a round (`recalibrate`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from mfd_sglang.acceptance import TreeVerifyResult, sub_budget_accept_lens
 
 from mfd_sglang.serving.budget.rule import Arm, BudgetChooser, Path, RoundClock, describe_path
-from mfd_sglang.serving.budget.calibration import DraftFn, VerifyFn, calibrate_round_costs
+from mfd_sglang.serving.budget.calibration import DraftFn, VerifyFn, calibrate_round_costs, calibration_sizes
 from mfd_sglang.serving.verify_graph import VerifyGraphsByWidth, verify_graphs_by_width
 
 
@@ -37,6 +38,7 @@ class AutoBudget:
         # rounds whose acceptance is not yet recorded.
         self.pending: deque[tuple[Arm, torch.Tensor, torch.cuda.Event | None]] = deque()
         self.verify_graphs: VerifyGraphsByWidth | None = None
+        self.calibrate_at = None  # sizes -> costs (`calibrate`), kept to take a bucket's calibration again
 
     @property
     def arms(self) -> list[Arm]:
@@ -48,6 +50,7 @@ class AutoBudget:
 
     def choose(self, bs: int) -> Arm:
         self.record_finished_acceptance()
+        self.recalibrate()
         arm = self.chooser.choose(bs)
         timing = self.clock.decode_round(bs, arm)
         if timing is not None:
@@ -95,6 +98,20 @@ class AutoBudget:
                 return run()
             return timed
 
-        with torch.inference_mode():
-            self.chooser.calibrate(calibrate_round_costs(self.arms, max_bs, row_len, self.device, draft=draft,
-                                                         verify=verify_on_its_window))
+        def calibrate_at(sizes: list[int]) -> dict:
+            with torch.inference_mode():
+                return calibrate_round_costs(self.arms, sizes, row_len, self.device, draft=draft,
+                                             verify=verify_on_its_window)
+
+        self.calibrate_at = lambda bucket: calibrate_at([min(bucket, max_bs)])
+        self.chooser.calibrate(calibrate_at(calibration_sizes(max_bs)))
+
+    def recalibrate(self) -> None:
+        """Take again the calibration of a bucket the chooser found taken under load
+        (`BudgetChooser.check_calibration`), between two rounds (placeholder requests only, as at start-up);
+        the interval to the next round is then not a round's."""
+        bucket = self.chooser.take_recalibration()
+        if bucket is None or self.calibrate_at is None:
+            return
+        self.chooser.calibrate(self.calibrate_at(bucket))
+        self.clock.other_forward()

@@ -79,17 +79,17 @@ def placeholder_verify_batch(model_runner, verify_input, seq_lens: torch.Tensor)
     return forward_batch
 
 
-def calibrate_round_costs(arms: list[Arm], max_bs: int, row_len: int, device, *, draft: DraftFn,
+def calibrate_round_costs(arms: list[Arm], sizes: list[int], row_len: int, device, *, draft: DraftFn,
                           verify: VerifyFn) -> dict[tuple[int, Arm], float]:
     """{(bucket, arm): seconds of the arm's draft + tree + verify forward} for every arm at every batch
-    size of `calibration_sizes(max_bs)`, logged as a table (milliseconds). row_len: the width of a
+    size of `sizes` (at start-up `calibration_sizes(max_bs)`), logged as a table (milliseconds). row_len: the width of a
     request's row of req_to_token; draft(roots, seq_lens, req_pool_indices, max_len, arm) -> (tree,
     layout): a round's draft stage; verify(layout, seq_lens, lens_sum): a function running the verify
     forward of that layout's window for placeholder requests."""
     context_len = max(min(CONTEXT_LEN, row_len - max(arm.budget for arm in arms) - 1), 1)
     costs = {}
     start = time.perf_counter()
-    for bs in calibration_sizes(max_bs):
+    for bs in sizes:
         bucket, verify_costs = batch_bucket(bs), {}
         roots = torch.zeros(bs, dtype=torch.int64, device=device)
         seq_lens = torch.full((bs,), context_len, dtype=torch.int64, device=device)
@@ -104,7 +104,7 @@ def calibrate_round_costs(arms: list[Arm], max_bs: int, row_len: int, device, *,
                 _, layout = draft_arm()
                 verify_costs[width] = median_seconds(verify(layout, seq_lens, bs * context_len), device)
             costs[bucket, arm] = draft_seconds + verify_costs[width]
-    logger.info("MFD auto budget: start-up calibration (%.1f s; draft + tree + verify in ms per round, "
+    logger.info("MFD auto budget: calibration (%.1f s; draft + tree + verify in ms per round, "
                 "%d-token contexts):\n%s", time.perf_counter() - start, context_len, cost_table(costs, arms))
     return costs
 
