@@ -573,7 +573,7 @@ def arm_round_rows(shape: str = "qwen3-8b", devices: tuple[DeviceModel, ...] = (
     decoding), the ledger's predicted round: MFD's own stages (`trace_worker_round`) plus the target's
     forward over bs (b + 1) tokens (`trace_target_forward`), each kernel at max(roofline, launch floor), the
     floor fitted to the H200 log's plain steps (`plain_step_floor`). What the automatic budget's oracle test
-    takes its clock from (tests/test_auto_budget.py). Without Triton issue times (they add < 2% here)."""
+    takes its clock from (tests/test_chooser_oracle.py). Without Triton issue times (they add < 2% here)."""
     floor = plain_step_floor(log, shape)
     traced: dict = {}
 

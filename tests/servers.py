@@ -204,30 +204,29 @@ def run_six_and_one(server: ServerProcess, hf_target, tiny_prompts: list[str]) -
     server loads `plugin_env("hold_admission")`), then one alone: greedy output equal to the target's
     (`hf_target`: the tiny pair's fp32 model and tokenizer). Returns the seven requests, the lone one last
     (its accept length: completion_tokens / spec_verify_ct)."""
+    six, outputs = six_at_once(server, hf_target, tiny_prompts, [8, 24, 12, 32, 10, 16])
+    alone, meta = generate_ids(server, six[1].input_ids, 24)
+    assert alone == outputs[1]
+    return six + [Served(six[1].input_ids, 24, meta)]
+
+
+def six_at_once(server: ServerProcess, hf_target, tiny_prompts: list[str],
+                lengths: list[int]) -> tuple[list[Served], list[list[int]]]:
+    """The first six prompts at once, lengths[i] new tokens each (admitted together: the server loads
+    `plugin_env("hold_admission")`), greedy output equal to the target's; (the requests, their outputs)."""
     model, tok = hf_target
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
-    lengths = [8, 24, 12, 32, 10, 16]
     with admitted_together(server, 6), concurrent.futures.ThreadPoolExecutor(6) as pool:
         outputs = list(pool.map(lambda i: generate_ids(server, prompts[i], lengths[i]), range(6)))
     for ids, n, (got, _) in zip(prompts, lengths, outputs):
         assert got == plain_greedy(model, ids, n), log_tail(server.log_path)
-    alone, meta = generate_ids(server, prompts[1], 24)
-    assert alone == outputs[1][0]
-    return [Served(ids, n, out_meta) for ids, n, (_, out_meta) in zip(prompts, lengths, outputs)] + [
-        Served(prompts[1], 24, meta)]
+    return [Served(ids, n, meta) for ids, n, (_, meta) in zip(prompts, lengths, outputs)], [got for got, _ in outputs]
 
 
 def run_six_long(server: ServerProcess, hf_target, tiny_prompts: list[str], max_new_tokens: int) -> list[Served]:
-    """Six requests of max_new_tokens at once (admitted together: `plugin_env("hold_admission")`), greedy output
-    equal to the target's: under the automatic budget, enough request-rounds to measure its drafting paths in
-    turn (each from `BudgetChooser.min_requests`, 64)."""
-    model, tok = hf_target
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in tiny_prompts[:6]]
-    with admitted_together(server, 6), concurrent.futures.ThreadPoolExecutor(6) as pool:
-        outputs = list(pool.map(lambda ids: generate_ids(server, ids, max_new_tokens), prompts))
-    for ids, (got, _) in zip(prompts, outputs):
-        assert got == plain_greedy(model, ids, max_new_tokens), log_tail(server.log_path)
-    return [Served(ids, max_new_tokens, meta) for ids, (_, meta) in zip(prompts, outputs)]
+    """Six requests of max_new_tokens at once (`six_at_once`): under the automatic budget, enough request-rounds
+    to measure its drafting paths in turn (each from `BudgetChooser.min_requests`, 64)."""
+    return six_at_once(server, hf_target, tiny_prompts, [max_new_tokens] * 6)[0]
 
 
 def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -38,7 +38,7 @@ class AutoBudget:
         # rounds whose acceptance is not yet recorded.
         self.pending: deque[tuple[Arm, torch.Tensor, torch.cuda.Event | None]] = deque()
         self.verify_graphs: VerifyGraphsByWidth | None = None
-        self.calibrate_at = None  # sizes -> costs (`calibrate`), kept to take a bucket's calibration again
+        self.calibrate_at = None  # bucket -> its costs (`calibrate`), kept to take a bucket's calibration again
 
     @property
     def arms(self) -> list[Arm]:

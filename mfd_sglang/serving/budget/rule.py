@@ -22,14 +22,16 @@ the next's (`RoundClock`): the scheduler's share and, under overlap scheduling, 
 in it, and it needs no device sync. An outlier (a preempted round) does not move it on its own; a drift
 (contexts grow, the machine's load changes) does within a window. Buckets are powers of two (bs 3 counts
 as 4). Before an arm is timed at a bucket, its cost is estimated from the start-up calibration
-(`budget.calibration`: its draft + verify on placeholder requests) plus the bucket's overhead, the mean
+(`budget.calibration`: its draft + verify on placeholder requests) plus the bucket's overhead, the least
 amount by which the arms timed there cost more than calibrated (0 until one is timed). A calibration above
 the served rounds of the same arm was taken under load: it is dropped and taken again
 (`check_calibration`).
 
 Choice, per round (`BudgetChooser.choose`, each rule in its own method with its reason): the arm with
 the most tokens per request per second, tokens(path, b) / seconds(bucket, arm), optimistic where a value
-is missing: a path whose acceptance is unmeasured plays its largest tree (`unmeasured_path`); an arm
+is missing: a path whose acceptance is unmeasured plays the largest tree the bucket affords
+(`unmeasured_path`), its larger budgets bounded (`tokens_bound`); a timed arm whose acceptance may still
+beat the choice is played (`contender`); an arm
 never timed at the bucket is bounded below (`cost_floor`) and played when its bound could win
 (`most_promising`); the choice changes only past a margin (`keep_current`); a settled choice is probed
 now and then, plain decoding and the smaller and larger budgets alike, at intervals that double while
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -116,12 +119,11 @@ class DecayedMean:
     samples: int = 0
     largest_update: int = 0  # the most samples one update brought (for acceptance: requests in one round)
 
-    def update(self, total: float, count: int, squares: float | None = None) -> None:
-        """Add `count` samples summing to `total` (their squares summing to `squares`; total^2 / count, no
-        spread among them, when not given)."""
+    def update(self, total: float, count: int, squares: float) -> None:
+        """Add `count` samples summing to `total`, their squares summing to `squares`."""
         fade = self.decay ** count
         self.total = fade * self.total + total
-        self.squares = fade * self.squares + (total * total / count if squares is None else squares)
+        self.squares = fade * self.squares + squares
         self.weight = fade * self.weight + count
         self.samples += count
         self.largest_update = max(self.largest_update, count)
@@ -141,27 +143,22 @@ class DecayedMean:
 class RecentCost:
     """An arm's round time at a bucket from its last `window` samples, robust to noise: their median. So
     samples far from their peers (a preempted round, a page fault) move it only once they are half the
-    window, while a drift moves it within a window of rounds. `timed_at`: the bucket's round count at the last sample (how old the value is)."""
+    window, while a drift moves it within a window of rounds. `timed_at`: the bucket's round count at the
+    last sample (how old the value is)."""
 
     window: int
     recent: deque = field(default_factory=deque)
-    samples: int = 0
     timed_at: int = 0
 
     def update(self, seconds: float, at: int) -> None:
         self.recent.append(seconds)
         if len(self.recent) > self.window:
             self.recent.popleft()
-        self.samples += 1
         self.timed_at = at
 
     @property
     def value(self) -> float | None:
-        ordered = sorted(self.recent)
-        n = len(ordered)
-        if n == 0:
-            return None
-        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        return statistics.median(self.recent) if self.recent else None
 
     @property
     def optimistic(self) -> float | None:
@@ -290,7 +287,7 @@ class BudgetChooser:
 
     def cost(self, bucket: int, arm: Arm) -> float | None:
         mean = self.costs.get((bucket, arm))
-        return None if mean is None or mean.samples < self.min_timings else mean.value
+        return None if mean is None or len(mean.recent) < self.min_timings else mean.value
 
     def estimate(self, bucket: int, arm: Arm) -> float | None:
         """The calibrated cost plus the bucket's overhead: the least timed minus calibrated cost over the
@@ -423,7 +420,7 @@ class BudgetChooser:
             return
         self.chosen[bucket] = best
         self.next_probe[bucket] = (count + self.probe_every, self.probe_every)
-        choice = self.summary()[bucket]
+        choice = self.choice_row(bucket)
         plain = choice["plain_tokens_per_s"]
         logger.info("MFD auto budget: batch size <= %d -> %s (%.2f tokens per request per round, %.1f ms per round: "
                     "%.1f tokens per request per second; plain decoding %s)", bucket, describe(best), self.tokens(best),
@@ -431,15 +428,16 @@ class BudgetChooser:
                     "not timed" if plain is None else f"{plain:.1f}")
 
     def summary(self) -> dict[int, dict]:
-        """Per batch-size bucket with a choice: the arm, its measured tokens per request per second and
-        plain decoding's (None until timed there), for the log and /server_info."""
-        out = {}
-        for bucket, arm in sorted(self.chosen.items()):
-            plain = self.cost(bucket, PLAIN)
-            out[bucket] = {"arm": describe(arm), "budget": arm.budget, "path": describe_path(arm.path),
-                           "tokens_per_s": self.tokens(arm) / self.cost(bucket, arm),
-                           "plain_tokens_per_s": None if plain is None else 1.0 / plain}
-        return out
+        """`choice_row` of every batch-size bucket with a choice, for /server_info."""
+        return {bucket: self.choice_row(bucket) for bucket in sorted(self.chosen)}
+
+    def choice_row(self, bucket: int) -> dict:
+        """A bucket's choice: the arm, its measured tokens per request per second and plain decoding's (None
+        until timed there), for the log and /server_info."""
+        arm, plain = self.chosen[bucket], self.cost(bucket, PLAIN)
+        return {"arm": describe(arm), "budget": arm.budget, "path": describe_path(arm.path),
+                "tokens_per_s": self.tokens(arm) / self.cost(bucket, arm),
+                "plain_tokens_per_s": None if plain is None else 1.0 / plain}
 
     def probe(self, bucket: int, best: Arm, count: int, timed: dict[Arm, float], bounds: dict[Arm, float]) -> Arm:
         """best, or on a probe round one of its neighbours (`probes`, in turn), so that acceptance and cost
